@@ -1,0 +1,3 @@
+"""megatron_lite: compact GPT-NeoX-style pretraining with pluggable position schemes."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,426 @@
+"""Typed configuration: dataclasses loaded from YAML, validated, overridable with dotted keys.
+
+Every field carries its documentation in ``metadata["help"]``; ``docs/config.md`` is generated
+from it (``python -m megatron_lite.config --doc``) and a test keeps the two in sync.
+
+User errors (unknown key, wrong type, impossible value) raise ``ValueError`` naming the dotted key
+and the offending value; unknown keys come with the closest valid name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+def _doc(help_text: str, **kwargs: Any) -> Any:
+    """A dataclass field with its documentation attached."""
+    return field(metadata={"help": help_text}, **kwargs)
+
+
+@dataclass
+class RopeScalingConfig:
+    """Inference-time context extension for rotary schemes (rope and both CoCA variants)."""
+
+    type: Literal["none", "linear", "ntk", "dynamic", "yarn"] = _doc(
+        "RoPE scaling: none | linear (position interpolation) | ntk (static NTK-aware base) | "
+        "dynamic (HF dynamic-NTK: base grows with the sequence length beyond the training length) | "
+        "yarn (NTK-by-parts + attention temperature).",
+        default="none",
+    )
+    factor: float = _doc("Scaling factor (>= 1). Ignored when type is none.", default=1.0)
+    original_max_position_embeddings: int | None = _doc(
+        "Training context length the scaling is relative to; null means model.seq_length.",
+        default=None,
+    )
+    beta_fast: float = _doc("YaRN: rotations above which dims are extrapolated (HF default 32).", default=32.0)
+    beta_slow: float = _doc("YaRN: rotations below which dims are interpolated (HF default 1).", default=1.0)
+
+
+@dataclass
+class PositionConfig:
+    """How positions enter the model; one interface for every scheme (DESIGN.md section 3)."""
+
+    scheme: Literal["none", "learned", "sinusoidal", "alibi", "rope", "coca"] = _doc(
+        "Position scheme: none | learned (absolute table) | sinusoidal | alibi (Press et al.) | "
+        "rope (rotary, GPT-NeoX layout) | coca (RoPE + collinear constrained attention).",
+        default="rope",
+    )
+    rotary_pct: float = _doc(
+        "Fraction of each head's dims that are rotated (GPT-NeoX rotary_pct); rope and coca only.",
+        default=1.0,
+    )
+    rotary_emb_base: float = _doc("Rotary base theta (GPT-NeoX rotary_emb_base).", default=10000.0)
+    constraint: Literal["slack", "strict"] = _doc(
+        "CoCA only: slack (paper Eq. 11, the paper's default) or strict (Eq. 10, exact collinearity).",
+        default="slack",
+    )
+    scaling: RopeScalingConfig = _doc(
+        "RoPE scaling applied at inference (rope and coca); see model.position.scaling.*.",
+        default_factory=RopeScalingConfig,
+    )
+
+
+@dataclass
+class AttentionConfig:
+    """Which attention kernel runs; independent of the position scheme."""
+
+    backend: Literal["sdpa", "flash", "chunked", "reference"] = _doc(
+        "Kernel: sdpa (torch scaled_dot_product_attention; FlashAttention on GPU) | flash "
+        "(flash-attn package, CUDA) | chunked (query blocks, O(chunk * N) memory, any scheme incl. "
+        "ALiBi) | reference (materialised scores exactly as the paper computes them; slow, for tests).",
+        default="sdpa",
+    )
+    chunk_size: int = _doc("Query block size of the chunked backend.", default=1024)
+
+
+@dataclass
+class ModelConfig:
+    """GPT-NeoX architecture; key names follow GPT-NeoX's where one exists."""
+
+    num_layers: int = _doc("Number of transformer blocks.", default=24)
+    hidden_size: int = _doc("Model width.", default=1024)
+    num_attention_heads: int = _doc("Attention heads; must divide hidden_size.", default=16)
+    intermediate_size: int | None = _doc("MLP width; null means 4 * hidden_size.", default=None)
+    seq_length: int = _doc("Training context length in tokens.", default=512)
+    max_position_embeddings: int | None = _doc(
+        "Largest position a learned table covers and the value exported to HF; null means seq_length.",
+        default=None,
+    )
+    vocab_size: int = _doc("Tokenizer vocabulary size (before padding).", default=50000)
+    make_vocab_size_divisible_by: int = _doc(
+        "Pad the embedding/LM-head rows to a multiple of this (GPT-NeoX default 128).", default=128
+    )
+    gpt_j_residual: bool = _doc(
+        "Parallel residual x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX/HF use_parallel_residual).",
+        default=True,
+    )
+    norm: Literal["layernorm"] = _doc("Normalisation layer.", default="layernorm")
+    layernorm_epsilon: float = _doc("LayerNorm epsilon.", default=1e-5)
+    activation: Literal["gelu", "gelu_tanh", "relu"] = _doc(
+        "MLP activation (gelu is the exact erf form, as GPT-NeoX and HF 'gelu').", default="gelu"
+    )
+    no_weight_tying: bool = _doc("Untied input embedding and LM head (paper: untied).", default=True)
+    init_method: Literal["small_init", "normal"] = _doc(
+        "Init of input-side weights: small_init = N(0, sqrt(2 / (5 * hidden))) (GPT-NeoX), "
+        "normal = N(0, init_method_std).",
+        default="small_init",
+    )
+    output_layer_init_method: Literal["wang_init", "small_init", "normal"] = _doc(
+        "Init of the residual-output projections (attention.dense, mlp.dense_4h_to_h): "
+        "wang_init = N(0, 2 / (num_layers * sqrt(hidden))) (GPT-NeoX).",
+        default="wang_init",
+    )
+    init_method_std: float = _doc("Std of the 'normal' init method.", default=0.02)
+    attention_dropout: float = _doc("Dropout on attention probabilities (training only).", default=0.0)
+    hidden_dropout: float = _doc("Dropout on attention and MLP outputs (training only).", default=0.0)
+    checkpoint_activations: bool = _doc(
+        "Recompute each block in the backward pass (activation checkpointing).", default=False
+    )
+    position: PositionConfig = _doc("Position scheme; see model.position.*.", default_factory=PositionConfig)
+    attention: AttentionConfig = _doc("Attention kernel; see model.attention.*.", default_factory=AttentionConfig)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.intermediate_size if self.intermediate_size is not None else 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings if self.max_position_embeddings is not None else self.seq_length
+
+    @property
+    def padded_vocab_size(self) -> int:
+        multiple = self.make_vocab_size_divisible_by
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    @property
+    def rotary_dims(self) -> int:
+        return int(self.head_dim * self.position.rotary_pct)
+
+    @property
+    def uses_rotary(self) -> bool:
+        return self.position.scheme in ("rope", "coca")
+
+
+@dataclass
+class Config:
+    """Top level of a megatron_lite YAML file."""
+
+    model: ModelConfig = _doc("Model architecture; see model.*.", default_factory=ModelConfig)
+    precision: Literal["fp32", "bf16", "fp16"] = _doc(
+        "Parameter/compute dtype (GPT-NeoX precision).", default="fp32"
+    )
+    seed: int = _doc("Random seed for initialisation and sampling.", default=1234)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parsing with type checks
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _describe(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check/convert one YAML value against a field annotation; ValueError names the key."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        non_none = [option for option in options if option is not type(None)]
+        errors = []
+        for option in non_none:
+            try:
+                return _coerce(value, option, key)
+            except ValueError as error:
+                errors.append(str(error))
+        raise ValueError(errors[0])
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ValueError(f"{key}={value!r}: must be one of {', '.join(map(repr, choices))}")
+        return value
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}={_describe(value)}: expected a mapping of {annotation.__name__} keys")
+        return _from_dict(annotation, value, key + ".")
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{key}={_describe(value)}: expected true or false")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key}={_describe(value)}: expected an integer")
+        return value
+    if annotation is float:
+        # PyYAML reads "1e-5" (no dot) as a string; accept numeric strings for float fields.
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{key}={_describe(value)}: expected a number")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{key}={_describe(value)}: expected a string")
+        return value
+    raise TypeError(f"unsupported annotation {annotation!r} for {key}")  # a bug in this module
+
+
+def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    annotations = _field_types(cls)
+    valid = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(valid)}"
+            raise ValueError(f"unknown config key {prefix}{key}{hint}")
+        kwargs[key] = _coerce(value, annotations[key], prefix + key)
+    return cls(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-field validation
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def validate(config: Config) -> Config:
+    """Reject impossible combinations; warn about settings that will be ignored."""
+    model = config.model
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
+                 "make_vocab_size_divisible_by"):
+        value = getattr(model, name)
+        _require(value > 0, f"model.{name}={value}: must be positive")
+    _require(
+        model.hidden_size % model.num_attention_heads == 0,
+        f"model.num_attention_heads={model.num_attention_heads}: must divide "
+        f"model.hidden_size={model.hidden_size}",
+    )
+    if model.intermediate_size is not None:
+        _require(model.intermediate_size > 0, f"model.intermediate_size={model.intermediate_size}: must be positive")
+    if model.max_position_embeddings is not None:
+        _require(
+            model.max_position_embeddings >= model.seq_length,
+            f"model.max_position_embeddings={model.max_position_embeddings}: must be >= "
+            f"model.seq_length={model.seq_length}",
+        )
+    for name in ("attention_dropout", "hidden_dropout"):
+        value = getattr(model, name)
+        _require(0.0 <= value < 1.0, f"model.{name}={value}: must be in [0, 1)")
+    _require(model.layernorm_epsilon > 0, f"model.layernorm_epsilon={model.layernorm_epsilon}: must be positive")
+    _require(model.init_method_std > 0, f"model.init_method_std={model.init_method_std}: must be positive")
+    _require(model.attention.chunk_size > 0, f"model.attention.chunk_size={model.attention.chunk_size}: must be positive")
+
+    position = model.position
+    if model.uses_rotary:
+        _require(
+            0.0 < position.rotary_pct <= 1.0,
+            f"model.position.rotary_pct={position.rotary_pct}: must be in (0, 1]",
+        )
+        rotary_dims = model.rotary_dims
+        _require(
+            rotary_dims >= 2 and rotary_dims % 2 == 0,
+            f"model.position.rotary_pct={position.rotary_pct}: gives {rotary_dims} rotary dims of head_dim "
+            f"{model.head_dim}; rotary dims must be even and >= 2",
+        )
+        _require(position.rotary_emb_base > 1.0, f"model.position.rotary_emb_base={position.rotary_emb_base}: must be > 1")
+        if position.scheme == "coca":
+            _require(
+                model.head_dim % 2 == 0,
+                f"model.num_attention_heads={model.num_attention_heads}: coca needs an even head_dim, "
+                f"got {model.head_dim}",
+            )
+    scaling = position.scaling
+    if scaling.type != "none":
+        _require(scaling.factor >= 1.0, f"model.position.scaling.factor={scaling.factor}: must be >= 1")
+        if scaling.original_max_position_embeddings is not None:
+            _require(
+                scaling.original_max_position_embeddings > 0,
+                "model.position.scaling.original_max_position_embeddings="
+                f"{scaling.original_max_position_embeddings}: must be positive",
+            )
+        if scaling.type == "yarn":
+            _require(
+                scaling.beta_fast > scaling.beta_slow > 0,
+                f"model.position.scaling.beta_fast={scaling.beta_fast}: must exceed beta_slow="
+                f"{scaling.beta_slow} > 0",
+            )
+        if not model.uses_rotary:
+            warnings.warn(
+                f"model.position.scaling.type={scaling.type} is ignored: scheme {position.scheme} has no rotary embedding",
+                stacklevel=2,
+            )
+    if position.scheme != "coca" and position.constraint != "slack":
+        warnings.warn(
+            f"model.position.constraint={position.constraint} is ignored: only the coca scheme uses it",
+            stacklevel=2,
+        )
+    return config
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    """Parse and validate a nested mapping (as read from YAML)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"config must be a mapping at top level, got {type(data).__name__}")
+    return validate(_from_dict(Config, data))
+
+
+def to_dict(config: Config) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+def parse_override(assignment: str) -> tuple[list[str], Any]:
+    """'model.position.scheme=rope' -> (['model', 'position', 'scheme'], 'rope'); value parsed as YAML."""
+    if "=" not in assignment:
+        raise ValueError(f"override {assignment!r}: expected KEY=VALUE, e.g. model.position.scheme=rope")
+    key, raw_value = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ValueError(f"override {assignment!r}: empty key component")
+    return parts, yaml.safe_load(raw_value) if raw_value.strip() else None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted KEY=VALUE overrides to a raw mapping; validation happens when it is parsed."""
+    for assignment in overrides:
+        parts, value = parse_override(assignment)
+        node = data
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ValueError(f"override {assignment!r}: {'.'.join(parts[: depth + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply ``--set`` style overrides, validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {path} does not exist")
+    with path.open() as handle:
+        data = yaml.safe_load(handle) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    try:
+        return from_dict(apply_overrides(data, overrides or []))
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
+def save(config: Config, path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        yaml.safe_dump(to_dict(config), handle, sort_keys=False)
+
+
+def documentation() -> str:
+    """Markdown table of every key, its type, default and help text."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+
+    def walk(cls: type, prefix: str) -> None:
+        annotations = _field_types(cls)
+        for item in dataclasses.fields(cls):
+            annotation = annotations[item.name]
+            if dataclasses.is_dataclass(annotation):
+                walk(annotation, f"{prefix}{item.name}.")
+                continue
+            default = item.default if item.default is not dataclasses.MISSING else item.default_factory()
+            type_name = " \\| ".join(map(str, typing.get_args(annotation))) if typing.get_origin(annotation) is Literal \
+                else str(annotation).replace("typing.", "").replace("|", "\\|")
+            if isinstance(annotation, type):
+                type_name = annotation.__name__
+            lines.append(f"| `{prefix}{item.name}` | {type_name} | `{default}` | {item.metadata['help']} |")
+
+    walk(Config, "")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Inspect megatron_lite configs.")
+    parser.add_argument("--doc", action="store_true", help="print the Markdown reference of every key")
+    parser.add_argument("--config", help="load, validate and print this YAML file (with --set overrides)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    args = parser.parse_args()
+    if args.doc:
+        print("# Configuration reference\n\nGenerated by `python -m megatron_lite.config --doc`.\n")
+        print(documentation(), end="")
+    if args.config:
+        print(yaml.safe_dump(to_dict(load(args.config, args.set)), sort_keys=False), end="")
+
+
+if __name__ == "__main__":
+    main()

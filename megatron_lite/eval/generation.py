@@ -1,0 +1,73 @@
+"""Greedy and sampled generation with the KV cache.
+
+The cache is sized for the whole generation and its max_length doubles as the length that fixes
+the dynamic-NTK base, so cached keys and new queries always share one base (HF issue #25104).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.model.gpt import GPT
+
+
+def sample_next_token(
+    logits_BV: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """(B, V) logits -> (B,) token ids. temperature 0 means greedy."""
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature}: must be >= 0")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k}: must be >= 1")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
+    if temperature == 0:
+        return logits_BV.argmax(dim=-1)
+    logits = logits_BV.float() / temperature
+    if top_k is not None:
+        kth_largest = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+    if top_p is not None:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative - torch.softmax(sorted_logits, dim=-1) > top_p  # keep the token crossing top_p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model: GPT,
+    prompt_ids_BT: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Prompt + up to max_new_tokens ids (B, T + new); rows that emit eos keep emitting eos."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+    was_training = model.training
+    model.eval()
+    cache = model.new_cache(prompt_ids_BT.shape[1] + max_new_tokens)
+    tokens = [prompt_ids_BT]
+    finished = torch.zeros(prompt_ids_BT.shape[0], dtype=torch.bool, device=prompt_ids_BT.device)
+    next_input = prompt_ids_BT
+    for _ in range(max_new_tokens):
+        logits_BV = model(next_input, cache=cache)[:, -1]
+        next_token = sample_next_token(logits_BV, temperature, top_k, top_p, generator)
+        if eos_token_id is not None:
+            next_token = next_token.masked_fill(finished, eos_token_id)
+            finished |= next_token == eos_token_id
+        next_input = next_token[:, None]
+        tokens.append(next_input)
+        if eos_token_id is not None and bool(finished.all()):
+            break
+    model.train(was_training)
+    return torch.cat(tokens, dim=1)

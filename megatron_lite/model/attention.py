@@ -1,0 +1,191 @@
+"""Fused QKV projection + kernel dispatch. The kernel never knows which position scheme ran.
+
+Backends (model.attention.backend):
+  sdpa       torch scaled_dot_product_attention (FlashAttention / memory-efficient on GPU).
+  flash      flash-attn 2 package (CUDA, fp16/bf16); ALiBi through its ``alibi_slopes``.
+  chunked    query blocks of ``chunk_size`` over the visible keys: O(chunk * N) memory for any
+             scheme, ALiBi included; the long-context path on CPU and GPU.
+  reference  materialised scores exactly as the paper computes them (scheme.reference_scores).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.kv_cache import LayerCache
+from megatron_lite.model.position import PositionContext, PositionScheme
+
+BACKENDS = ("sdpa", "flash", "chunked", "reference")
+
+
+def causal_allowed(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+    """(T, S) bool: key n is visible to query m iff n <= m."""
+    return k_positions[None, :] <= q_positions[:, None]
+
+
+def attention_mask(
+    q_positions: torch.Tensor, k_positions: torch.Tensor, slopes_H: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """Boolean (T, S) causal mask, or with ALiBi a float (H, T, S) bias -slope_h (m - n), -inf above."""
+    allowed = causal_allowed(q_positions, k_positions)
+    if slopes_H is None:
+        return allowed
+    distance = (k_positions[None, :] - q_positions[:, None]).to(dtype)  # n - m <= 0 where visible
+    bias = slopes_H.to(dtype)[:, None, None] * distance[None]
+    return bias.masked_fill(~allowed, float("-inf"))
+
+
+def sdpa_attention(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    slopes_H: torch.Tensor | None,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    if slopes_H is None and q_positions.shape == k_positions.shape and torch.equal(q_positions, k_positions):
+        # Same tokens as queries and keys: the kernel's own causal path (no mask tensor).
+        return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, is_causal=True, scale=scale, dropout_p=dropout_p)
+    if slopes_H is None and bool(k_positions.max() <= q_positions.min()):
+        # Decoding: every cached key precedes every query.
+        return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, scale=scale, dropout_p=dropout_p)
+    mask = attention_mask(q_positions, k_positions, slopes_H, q_BHTD.dtype)
+    return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask, scale=scale, dropout_p=dropout_p)
+
+
+def chunked_attention(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    slopes_H: torch.Tensor | None,
+    scale: float,
+    chunk_size: int,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Query blocks; each attends only to keys up to its last position (positions ascending)."""
+    outputs = []
+    for start in range(0, q_BHTD.shape[-2], chunk_size):
+        block_positions = q_positions[start : start + chunk_size]
+        num_visible = int(torch.searchsorted(k_positions, block_positions[-1], right=True))
+        outputs.append(
+            sdpa_attention(
+                q_BHTD[:, :, start : start + chunk_size],
+                k_BHSD[:, :, :num_visible],
+                v_BHSD[:, :, :num_visible],
+                block_positions,
+                k_positions[:num_visible],
+                slopes_H,
+                scale,
+                dropout_p,
+            )
+        )
+    return torch.cat(outputs, dim=-2)
+
+
+def flash_attention(
+    q_BHTD: torch.Tensor,
+    k_BHSD: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    slopes_H: torch.Tensor | None,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """flash-attn 2: causal is bottom-right aligned, which matches contiguous cache positions."""
+    from flash_attn import flash_attn_func
+
+    out_BTHD = flash_attn_func(
+        q_BHTD.transpose(1, 2),
+        k_BHSD.transpose(1, 2),
+        v_BHSD.transpose(1, 2),
+        dropout_p=dropout_p,
+        softmax_scale=scale,
+        causal=True,
+        alibi_slopes=None if slopes_H is None else slopes_H.to(torch.float32),
+    )
+    return out_BTHD.transpose(1, 2)
+
+
+def reference_attention(
+    scores_BHTS: torch.Tensor,
+    v_BHSD: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_positions: torch.Tensor,
+    slopes_H: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Softmax over materialised scores (computed in at least float32)."""
+    compute_dtype = torch.promote_types(scores_BHTS.dtype, torch.float32)
+    scores = scores_BHTS.to(compute_dtype) * scale
+    scores = scores + attention_mask(q_positions, k_positions, slopes_H, compute_dtype) if slopes_H is not None \
+        else scores.masked_fill(~causal_allowed(q_positions, k_positions), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v_BHSD.dtype)
+    return probs @ v_BHSD
+
+
+def check_backend_available(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"model.attention.backend={backend!r}: must be one of {', '.join(BACKENDS)}")
+    if backend == "flash" and (importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available()):
+        raise ValueError(
+            "model.attention.backend='flash' needs the flash-attn package and a CUDA device; "
+            "use 'sdpa' (FlashAttention through PyTorch) or 'chunked'"
+        )
+
+
+class SelfAttention(nn.Module):
+    """GPT-NeoX attention: fused per-head [q | k-or-t | v] projection, position transform, kernel."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.backend = config.attention.backend
+        self.chunk_size = config.attention.chunk_size
+        self.dropout_p = config.attention_dropout
+        check_backend_available(self.backend)
+        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(
+        self, x_BTC: torch.Tensor, scheme: PositionScheme, ctx: PositionContext, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        batch, length, _ = x_BTC.shape
+        qkv = self.query_key_value(x_BTC).view(batch, length, self.num_heads, 3 * self.head_dim)
+        q_BHTD, k_BHTD, v_BHTD = qkv.transpose(1, 2).split(self.head_dim, dim=-1)
+        slopes_H = scheme.slopes()
+        dropout_p = self.dropout_p if self.training else 0.0
+
+        if self.backend == "reference":
+            # The paper path needs raw q and raw k/t; the cache holds raw keys here.
+            keys_BHSD, v_BHSD, k_positions = (k_BHTD, v_BHTD, ctx.positions) if cache is None \
+                else cache.append(k_BHTD, v_BHTD, ctx.positions)
+            scores = scheme.reference_scores(q_BHTD, keys_BHSD, ctx.tables, ctx.tables_at(k_positions))
+            out_BHTD = reference_attention(scores, v_BHSD, ctx.positions, k_positions, slopes_H, self.scale)
+        else:
+            q_BHTD = scheme.transform_query(q_BHTD, ctx.tables)
+            keys_BHSD = scheme.transform_key(k_BHTD, ctx.tables)
+            v_BHSD, k_positions = v_BHTD, ctx.positions
+            if cache is not None:
+                keys_BHSD, v_BHSD, k_positions = cache.append(keys_BHSD, v_BHTD, ctx.positions)
+            if self.backend == "sdpa":
+                out_BHTD = sdpa_attention(q_BHTD, keys_BHSD, v_BHSD, ctx.positions, k_positions, slopes_H, self.scale, dropout_p)
+            elif self.backend == "chunked":
+                out_BHTD = chunked_attention(
+                    q_BHTD, keys_BHSD, v_BHSD, ctx.positions, k_positions, slopes_H, self.scale, self.chunk_size, dropout_p
+                )
+            else:
+                out_BHTD = flash_attention(q_BHTD, keys_BHSD, v_BHSD, slopes_H, self.scale, dropout_p)
+
+        out_BTC = out_BHTD.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
+        return self.dense(out_BTC)

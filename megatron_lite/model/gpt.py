@@ -1,0 +1,165 @@
+"""GPT-NeoX decoder: embedding, blocks with (optionally parallel) residual, final norm, LM head.
+
+Parameter names mirror Hugging Face GPTNeoX (embed_in, layers.N.attention.query_key_value, ...)
+so conversion is a rename of the top-level prefix. The model never branches on the position
+scheme: it asks the scheme for an embedding and hands it to every attention layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megatron_lite.config import Config, ModelConfig, RopeScalingConfig
+from megatron_lite.model.attention import SelfAttention
+from megatron_lite.model.kv_cache import KVCache, LayerCache
+from megatron_lite.model.position import PositionContext, PositionScheme, build_position_scheme, build_rotary
+
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.ffn_size)
+        self.dense_4h_to_h = nn.Linear(config.ffn_size, config.hidden_size)
+        self.activation = ACTIVATIONS[config.activation]
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.activation(self.dense_h_to_4h(x_BTC)))
+
+
+class GPTNeoXBlock(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.parallel_residual = config.gpt_j_residual
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.attention = SelfAttention(config)
+        self.mlp = MLP(config)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self, x_BTC: torch.Tensor, scheme: PositionScheme, ctx: PositionContext, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        attn_BTC = self.hidden_dropout(self.attention(self.input_layernorm(x_BTC), scheme, ctx, cache))
+        if self.parallel_residual:
+            # x + attn(ln1(x)) + mlp(ln2(x))
+            return x_BTC + attn_BTC + self.hidden_dropout(self.mlp(self.post_attention_layernorm(x_BTC)))
+        x_BTC = x_BTC + attn_BTC
+        return x_BTC + self.hidden_dropout(self.mlp(self.post_attention_layernorm(x_BTC)))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_in = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.position = build_position_scheme(config)
+        self.rotary = build_rotary(config)
+        self.layers = nn.ModuleList(GPTNeoXBlock(config) for _ in range(config.num_layers))
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        if not config.no_weight_tying:
+            self.lm_head.weight = self.embed_in.weight
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------------------------------
+    def _init_std(self, method: str) -> float:
+        hidden, layers = self.config.hidden_size, self.config.num_layers
+        if method == "small_init":
+            return math.sqrt(2.0 / (5.0 * hidden))
+        if method == "wang_init":
+            return 2.0 / (layers * math.sqrt(hidden))
+        return self.config.init_method_std
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """GPT-NeoX init: small_init for input-side weights, wang_init for residual outputs."""
+        input_std = self._init_std(self.config.init_method)
+        output_std = self._init_std(self.config.output_layer_init_method)
+        for name, parameter in self.named_parameters():
+            if name.endswith("bias"):
+                parameter.zero_()
+            elif "layernorm" in name or "layer_norm" in name:
+                parameter.fill_(1.0)
+            elif name.endswith(("attention.dense.weight", "mlp.dense_4h_to_h.weight")):
+                parameter.normal_(0.0, output_std)
+            else:
+                parameter.normal_(0.0, input_std)
+
+    def set_rope_scaling(self, scaling: RopeScalingConfig) -> None:
+        """Switch the inference-time RoPE scaling (rope and coca); ValueError for other schemes."""
+        if not self.config.uses_rotary:
+            raise ValueError(f"RoPE scaling {scaling.type!r} needs a rotary scheme, model uses {self.config.position.scheme!r}")
+        self.config.position.scaling = scaling
+        self.rotary = build_rotary(self.config)
+
+    def new_cache(self, max_length: int) -> KVCache:
+        return KVCache(self.config.num_layers, max_length)
+
+    # ------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        rope_length: int | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, padded_vocab).
+
+        positions: (T,) ascending; default continues after what ``cache`` holds.
+        rope_length: length that fixes the dynamic-NTK base; default the cache's max_length
+        (the final length of a generation) or, without a cache, the last position + 1.
+        """
+        length = input_ids_BT.shape[1]
+        offset = cache.length if cache is not None else 0
+        if positions is None:
+            positions = torch.arange(offset, offset + length, device=input_ids_BT.device)
+            last_position = offset + length - 1
+        else:
+            last_position = int(positions[-1])
+        if rope_length is None:
+            rope_length = cache.max_length if cache is not None else last_position + 1
+        tables = None
+        if self.rotary is not None:
+            tables = self.rotary.tables(positions, rope_length, self.embed_in.weight.dtype)
+        ctx = PositionContext(positions=positions, rope_length=rope_length, rotary=self.rotary, tables=tables)
+
+        x_BTC = self.embed_in(input_ids_BT)
+        position_embedding = self.position.embed(positions)
+        if position_embedding is not None:
+            x_BTC = x_BTC + position_embedding.to(x_BTC.dtype)
+        recompute = self.config.checkpoint_activations and self.training and cache is None
+        for index, layer in enumerate(self.layers):
+            layer_cache = cache.layers[index] if cache is not None else None
+            if recompute:
+                x_BTC = checkpoint(layer, x_BTC, self.position, ctx, None, use_reentrant=False)
+            else:
+                x_BTC = layer(x_BTC, self.position, ctx, layer_cache)
+        return self.lm_head(self.final_layer_norm(x_BTC))
+
+
+def language_model_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross entropy in float32 (labels already shifted to align with logits)."""
+    return F.cross_entropy(
+        logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(), labels_BT.reshape(-1), ignore_index=ignore_index
+    )
+
+
+def build_model(config: Config, device: torch.device | str = "cpu") -> GPT:
+    """Seeded construction in the configured precision."""
+    torch.manual_seed(config.seed)
+    with torch.device(device):
+        model = GPT(config.model)
+    return model.to(DTYPES[config.precision])

@@ -1,0 +1,257 @@
+"""Every position scheme behind one interface (DESIGN.md section 3).
+
+A scheme turns per-head projections into what an ordinary attention kernel consumes:
+
+    q' = scheme.transform_query(q, tables)       k' = scheme.transform_key(k_or_t, tables)
+    attention(q', k', v, causal, alibi_slopes)    -- the same kernel for every scheme
+
+| scheme        | q'          | k'        | bias                      |
+|---------------|-------------|-----------|---------------------------|
+| none          | q           | k         | -                         |
+| learned/sin.  | q           | k         | - (added to embeddings)   |
+| alibi         | q           | k         | -slope_h * (m - n)        |
+| rope          | R_m q       | R_n k     | -                         |
+| coca slack    | q * R_m q   | R_n t     | -                         |
+| coca strict   | R_m u       | R_n w     | -                         |
+
+CoCA (paper Eq. 6-11): the K slot of the fused QKV projection produces t_raw; the collinear
+coefficient of each rotary pair (i, i + r/2) is c_i = relu((t_i + t_{i+r/2}) / 2), and t = [c, c].
+Slack's score sum_d q_d (R_n t)_d (R_m q)_d factors as (q * R_m q) . (R_n t) because two operands
+share the query index. Strict's score sum_j c_{n,j} |q_{m,j}|^2 cos((m - n) theta_j) (Eq. 18) is
+(R_m u) . (R_n w) with u_j = |q_{m,j}|^2, w_j = c_{n,j} and zeros in the second half of each pair.
+Both are plain QK^T: O(N d) memory, fused kernels, KV cache = (k', v).
+
+``reference_scores`` computes the paper's own materialised forms (slack: the opt_einsum
+3-operand contraction; strict: the explicit Eq. 10 key tensor of shape (T, S, d)); they are the
+test oracles and the benchmark baseline, never the training path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import opt_einsum
+import torch
+from torch import nn
+
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.rope import RotaryEmbedding, RotaryTables, apply_rotary
+
+
+@dataclass
+class PositionContext:
+    """Per-forward position state, computed once by the model and shared by all layers."""
+
+    positions: torch.Tensor  # (T,) int64 positions of the current tokens
+    rope_length: int  # sequence length that fixes the dynamic-NTK base for this forward/generation
+    rotary: RotaryEmbedding | None
+    tables: RotaryTables | None  # cos/sin at `positions`, None for non-rotary schemes
+
+    def tables_at(self, positions: torch.Tensor) -> RotaryTables | None:
+        if self.rotary is None or self.tables is None:
+            return None
+        return self.rotary.tables(positions, self.rope_length, self.tables.cos.dtype)
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """Press et al. head slopes, including non-power-of-2 head counts (official get_slopes)."""
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (h + 1) for h in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return power_of_two_slopes(num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    return power_of_two_slopes(closest) + alibi_slopes(2 * closest)[0::2][: num_heads - closest]
+
+
+def collinear_coefficients(t_raw: torch.Tensor, rotary_dims: int) -> torch.Tensor:
+    """CoCA's T: non-negative, equal within each rotary pair (i, i + r/2). (..., D) -> (..., D).
+
+    With rotary_pct = 1 this is exactly the official layout (halves of the head dim). Pass-through
+    dims (>= r) are paired among themselves the same way.
+    """
+    half = rotary_dims // 2
+    c = torch.relu((t_raw[..., :half] + t_raw[..., half:rotary_dims]) * 0.5)
+    parts = [c, c]
+    if t_raw.shape[-1] > rotary_dims:
+        rest = t_raw[..., rotary_dims:]
+        rest_half = rest.shape[-1] // 2
+        c_pass = torch.relu((rest[..., :rest_half] + rest[..., rest_half:]) * 0.5)
+        parts += [c_pass, c_pass]
+    return torch.cat(parts, dim=-1)
+
+
+def collinear_key_eq8(q_BHTD: torch.Tensor, t_BHTD: torch.Tensor) -> torch.Tensor:
+    """Paper Eq. 8: the strict key at the query's own position, k = t * q (before rotation)."""
+    return t_BHTD * q_BHTD
+
+
+class PositionScheme(nn.Module):
+    """Base: identity transforms, no embedding, no bias."""
+
+    def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Additive (T, hidden) embedding for absolute schemes; None otherwise."""
+        return None
+
+    def transform_query(self, q_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
+        return q_BHTD
+
+    def transform_key(self, k_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
+        return k_BHTD
+
+    def slopes(self) -> torch.Tensor | None:
+        """ALiBi slopes (H,) float32 or None."""
+        return None
+
+    def reference_scores(
+        self,
+        q_BHTD: torch.Tensor,
+        k_BHSD: torch.Tensor,
+        q_tables: RotaryTables | None,
+        k_tables: RotaryTables | None,
+    ) -> torch.Tensor:
+        """Unscaled, unmasked scores (B, H, T, S) from raw projections, materialised."""
+        return self.transform_query(q_BHTD, q_tables) @ self.transform_key(k_BHSD, k_tables).transpose(-1, -2)
+
+
+class NoPosition(PositionScheme):
+    pass
+
+
+class LearnedPosition(PositionScheme):
+    def __init__(self, max_positions: int, hidden_size: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(max_positions, hidden_size)
+
+    def embed(self, positions: torch.Tensor) -> torch.Tensor:
+        limit = self.embedding.num_embeddings
+        if positions.numel() and int(positions.max()) >= limit:
+            raise ValueError(
+                f"position {int(positions.max())} is beyond model.max_position_embeddings={limit} "
+                "of the learned scheme; learned positions cannot extrapolate"
+            )
+        return self.embedding(positions)
+
+
+class SinusoidalPosition(PositionScheme):
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+
+    def embed(self, positions: torch.Tensor) -> torch.Tensor:
+        """Vaswani et al.: sin on even, cos on odd dims; (T, hidden) float32."""
+        dims = torch.arange(0, self.hidden_size, 2, dtype=torch.float64, device=positions.device)
+        angles = positions.to(torch.float64)[:, None] / (10000.0 ** (dims / self.hidden_size))[None, :]
+        table = torch.zeros(positions.shape[0], self.hidden_size, dtype=torch.float64, device=positions.device)
+        table[:, 0::2] = angles.sin()
+        table[:, 1::2] = angles.cos()[:, : self.hidden_size // 2]
+        return table.to(torch.float32)
+
+
+class ALiBi(PositionScheme):
+    def __init__(self, num_heads: int) -> None:
+        super().__init__()
+        self.register_buffer("alibi_slopes", torch.tensor(alibi_slopes(num_heads), dtype=torch.float32), persistent=False)
+
+    def slopes(self) -> torch.Tensor:
+        return self.alibi_slopes
+
+
+class RoPE(PositionScheme):
+    def transform_query(self, q_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
+        assert tables is not None
+        return apply_rotary(q_BHTD, tables)
+
+    def transform_key(self, k_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
+        assert tables is not None
+        return apply_rotary(k_BHTD, tables)
+
+
+class CoCASlack(PositionScheme):
+    """Paper Eq. 11, score(m, n) = (q_m * R_m q_m) . (R_n t_n)."""
+
+    def __init__(self, rotary_dims: int) -> None:
+        super().__init__()
+        self.rotary_dims = rotary_dims
+
+    def transform_query(self, q_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
+        assert tables is not None
+        return q_BHTD * apply_rotary(q_BHTD, tables)
+
+    def transform_key(self, k_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
+        assert tables is not None
+        return apply_rotary(collinear_coefficients(k_BHTD, self.rotary_dims), tables)
+
+    def reference_scores(self, q_BHTD, k_BHSD, q_tables, k_tables):  # type: ignore[override]
+        """The official code's contraction: einsum('bhmd,bhnd,bhmd->bhmn', q, R t, R q)."""
+        assert q_tables is not None and k_tables is not None
+        t_rotated = apply_rotary(collinear_coefficients(k_BHSD, self.rotary_dims), k_tables)
+        q_rotated = apply_rotary(q_BHTD, q_tables)
+        return opt_einsum.contract("bhmd,bhnd,bhmd->bhmn", q_BHTD, t_rotated, q_rotated, backend="torch")
+
+
+class CoCAStrict(PositionScheme):
+    """Paper Eq. 10 via Eq. 18: score(m, n) = sum_j c_{n,j} |q_{m,j}|^2 cos((m - n) theta_j)."""
+
+    def __init__(self, rotary_dims: int) -> None:
+        super().__init__()
+        self.rotary_dims = rotary_dims
+
+    def transform_query(self, q_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
+        assert tables is not None
+        half = self.rotary_dims // 2
+        q_first, q_second = q_BHTD[..., :half], q_BHTD[..., half : self.rotary_dims]
+        pair_norm2 = q_first * q_first + q_second * q_second  # (B, H, T, r/2): u_j = |q_pair_j|^2
+        # R_m [u, 0] = [u cos, u sin]; pass-through dims contribute q_i^2 t_i.
+        parts = [pair_norm2 * tables.cos[:, :half].to(q_BHTD.dtype), pair_norm2 * tables.sin[:, :half].to(q_BHTD.dtype)]
+        if q_BHTD.shape[-1] > self.rotary_dims:
+            q_pass = q_BHTD[..., self.rotary_dims :]
+            parts.append(q_pass * q_pass)
+        return torch.cat(parts, dim=-1)
+
+    def transform_key(self, k_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
+        assert tables is not None
+        half = self.rotary_dims // 2
+        t = collinear_coefficients(k_BHTD, self.rotary_dims)
+        c = t[..., :half]  # (B, H, T, r/2) one coefficient per rotary pair
+        parts = [c * tables.cos[:, :half].to(t.dtype), c * tables.sin[:, :half].to(t.dtype)]  # R_n [c, 0]
+        if t.shape[-1] > self.rotary_dims:
+            parts.append(t[..., self.rotary_dims :])
+        return torch.cat(parts, dim=-1)
+
+    def reference_scores(self, q_BHTD, k_BHSD, q_tables, k_tables):  # type: ignore[override]
+        """Explicit Eq. 10: key tensor R_n (t_n * q_m) for every (m, n), shape (B, H, T, S, D)."""
+        assert q_tables is not None and k_tables is not None
+        t = collinear_coefficients(k_BHSD, self.rotary_dims)
+        keys_BHTSD = collinear_key_eq8(q_BHTD[:, :, :, None, :], t[:, :, None, :, :])
+        keys_BHTSD = apply_rotary(keys_BHTSD, k_tables)  # rotation at the key position n (dim S)
+        return torch.einsum("bhmd,bhmnd->bhmn", apply_rotary(q_BHTD, q_tables), keys_BHTSD)
+
+
+def build_position_scheme(config: ModelConfig) -> PositionScheme:
+    scheme = config.position.scheme
+    if scheme == "none":
+        return NoPosition()
+    if scheme == "learned":
+        return LearnedPosition(config.max_positions, config.hidden_size)
+    if scheme == "sinusoidal":
+        return SinusoidalPosition(config.hidden_size)
+    if scheme == "alibi":
+        return ALiBi(config.num_attention_heads)
+    if scheme == "rope":
+        return RoPE()
+    if scheme == "coca":
+        if config.position.constraint == "slack":
+            return CoCASlack(config.rotary_dims)
+        return CoCAStrict(config.rotary_dims)
+    raise ValueError(f"model.position.scheme={scheme!r}: unknown scheme")
+
+
+def build_rotary(config: ModelConfig) -> RotaryEmbedding | None:
+    if not config.uses_rotary:
+        return None
+    position = config.position
+    return RotaryEmbedding(config.rotary_dims, position.rotary_emb_base, position.scaling, config.seq_length)

@@ -1,0 +1,121 @@
+"""Rotary position embedding (GPT-NeoX "rotate_half" layout) and its inference-time scalings.
+
+Pairs are (i, i + r/2) over the first r = rotary dims of a head; dims >= r pass through.
+Angles are computed in float64 and cos/sin returned in float32 (GPT-NeoX issue #1003: low-precision
+caches give wrong values; float32 angles alone lose ~1e-3 rad at position 32K).
+
+Scalings follow HF transformers ``modeling_rope_utils``:
+  linear   inv_freq / factor
+  ntk      base * factor^(r/(r-2))
+  dynamic  base * ((factor * L / L_train) - (factor - 1))^(r/(r-2))  for L > L_train
+  yarn     NTK-by-parts blend of interpolated/extrapolated frequencies, attention factor
+           0.1 ln(factor) + 1 multiplying cos and sin.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatron_lite.config import RopeScalingConfig
+
+
+def base_inv_freq(rotary_dims: int, base: float) -> torch.Tensor:
+    """theta_i = base^(-2i/r), i < r/2, float64 (r/2,)."""
+    exponents = torch.arange(0, rotary_dims, 2, dtype=torch.float64) / rotary_dims
+    return 1.0 / (base**exponents)
+
+
+def dynamic_ntk_base(base: float, rotary_dims: int, factor: float, seq_len: int, train_len: int) -> float:
+    """HF dynamic-NTK base for a sequence of seq_len tokens; the original base up to train_len."""
+    if seq_len <= train_len:
+        return base
+    alpha = (factor * seq_len / train_len) - (factor - 1)
+    return base * alpha ** (rotary_dims / (rotary_dims - 2))
+
+
+def yarn_inv_freq(
+    rotary_dims: int, base: float, factor: float, original_len: int, beta_fast: float, beta_slow: float
+) -> tuple[torch.Tensor, float]:
+    """YaRN inverse frequencies (float64) and attention factor, as HF _compute_yarn_parameters."""
+
+    def correction_dim(num_rotations: float) -> float:
+        return rotary_dims * math.log(original_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), rotary_dims - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(rotary_dims // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, rotary_dims, 2, dtype=torch.float64) / rotary_dims)
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (factor * pos_freqs)
+    inv_freq = interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
+    attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq, attention_factor
+
+
+@dataclass(frozen=True)
+class RotaryTables:
+    """cos/sin for a run of positions (T, r), float32 (float64 for float64 models), times the attention factor."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class RotaryEmbedding:
+    """Frequencies for one model: base, rotary dims, scaling, training length."""
+
+    def __init__(self, rotary_dims: int, base: float, scaling: RopeScalingConfig, train_length: int) -> None:
+        self.rotary_dims = rotary_dims
+        self.base = base
+        self.scaling = scaling
+        self.train_length = scaling.original_max_position_embeddings or train_length
+
+    def inv_freq(self, seq_len: int) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies (float64, (r/2,)) and attention factor for a sequence of seq_len tokens.
+
+        Only ``dynamic`` depends on seq_len; with a KV cache pass the final length of the whole
+        generation so every cached key and new query share one base (avoids HF issue #25104).
+        """
+        kind, factor, r = self.scaling.type, self.scaling.factor, self.rotary_dims
+        if kind == "none":
+            return base_inv_freq(r, self.base), 1.0
+        if kind == "linear":
+            return base_inv_freq(r, self.base) / factor, 1.0
+        if kind == "ntk":
+            return base_inv_freq(r, self.base * factor ** (r / (r - 2))), 1.0
+        if kind == "dynamic":
+            return base_inv_freq(r, dynamic_ntk_base(self.base, r, factor, seq_len, self.train_length)), 1.0
+        if kind == "yarn":
+            return yarn_inv_freq(r, self.base, factor, self.train_length, self.scaling.beta_fast, self.scaling.beta_slow)
+        raise ValueError(f"model.position.scaling.type={kind!r}: unknown scaling")
+
+    def tables(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype = torch.float32) -> RotaryTables:
+        """cos/sin (T, r) at the given integer positions (T,); float32 unless float64 is asked for."""
+        inv_freq, attention_factor = self.inv_freq(seq_len)
+        angles = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]  # (T, r/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (T, r): [theta, theta] layout
+        table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        cos = (angles.cos() * attention_factor).to(table_dtype)
+        sin = (angles.sin() * attention_factor).to(table_dtype)
+        return RotaryTables(cos=cos, sin=sin)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x_BHTD: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+    """R_n x: rotate the first r dims of every head vector at its position; pass the rest through."""
+    r = tables.cos.shape[-1]
+    cos = tables.cos.to(x_BHTD.dtype)  # (T, r), broadcast over (B, H)
+    sin = tables.sin.to(x_BHTD.dtype)
+    if r == x_BHTD.shape[-1]:
+        return x_BHTD * cos + rotate_half(x_BHTD) * sin
+    x_rot, x_pass = x_BHTD[..., :r], x_BHTD[..., r:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)

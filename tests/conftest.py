@@ -1,0 +1,50 @@
+"""Shared tiny-model builders (CPU, seconds)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_lite import config as config_lib
+from megatron_lite.config import Config
+
+# (scheme, constraint) pairs covering every position scheme.
+SCHEMES = [
+    ("none", "slack"),
+    ("learned", "slack"),
+    ("sinusoidal", "slack"),
+    ("alibi", "slack"),
+    ("rope", "slack"),
+    ("coca", "slack"),
+    ("coca", "strict"),
+]
+SCHEME_IDS = ["none", "learned", "sinusoidal", "alibi", "rope", "coca_slack", "coca_strict"]
+ROTARY_SCHEMES = [s for s in SCHEMES if s[0] in ("rope", "coca")]
+ROTARY_IDS = ["rope", "coca_slack", "coca_strict"]
+
+
+def tiny_config(scheme: str = "coca", constraint: str = "slack", backend: str = "sdpa", **model_overrides) -> Config:
+    """2 layers, width 64, 4 heads, training length 16, vocab 256 (padded to 256)."""
+    model = {
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "seq_length": 16,
+        "max_position_embeddings": 128,
+        "vocab_size": 250,
+        "make_vocab_size_divisible_by": 128,
+        "position": {"scheme": scheme, "constraint": constraint, "rotary_pct": 1.0},
+        "attention": {"backend": backend, "chunk_size": 16},
+    }
+    for key, value in model_overrides.items():
+        node = model
+        *parents, leaf = key.split(".")
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value
+    return config_lib.from_dict({"model": model, "seed": 7})
+
+
+@pytest.fixture(autouse=True)
+def _deterministic() -> None:
+    torch.manual_seed(0)

@@ -1,0 +1,158 @@
+"""Position schemes: CoCA fused forms == the paper's materialised forms, collinearity, shift
+(in)variance, ALiBi slopes. Float64 so the equalities are exact up to rounding."""
+
+from __future__ import annotations
+
+import math
+
+import opt_einsum
+import pytest
+import torch
+
+from megatron_lite.config import RopeScalingConfig
+from megatron_lite.model.attention import reference_attention, sdpa_attention
+from megatron_lite.model.position import (
+    ALiBi,
+    CoCASlack,
+    CoCAStrict,
+    RoPE,
+    alibi_slopes,
+    collinear_coefficients,
+    collinear_key_eq8,
+)
+from megatron_lite.model.rope import RotaryEmbedding
+
+B, H, T, D = 2, 3, 19, 16
+
+
+def make_inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T, D, dtype=torch.float64, generator=generator) for _ in range(3))
+    return q, k, v
+
+
+def tables_for(positions: torch.Tensor, rotary_dims: int = D, seq_len: int = T):
+    return RotaryEmbedding(rotary_dims, 10000.0, RopeScalingConfig(), train_length=16).tables(positions, seq_len, torch.float64)
+
+
+def fused_scores(scheme, q, k, q_tables, k_tables) -> torch.Tensor:
+    return scheme.transform_query(q, q_tables) @ scheme.transform_key(k, k_tables).transpose(-1, -2)
+
+
+@pytest.mark.parametrize("rotary_dims", [D, D // 2])
+def test_coca_slack_fused_equals_official_opt_einsum_contraction(rotary_dims: int) -> None:
+    q, k, v = make_inputs()
+    positions = torch.arange(T)
+    tables = tables_for(positions, rotary_dims)
+    scheme = CoCASlack(rotary_dims)
+    # The official code: contract('bpnd,bpsd,bpnd->bpns', q, R t, R q), written out here.
+    t = collinear_coefficients(k, rotary_dims)
+    from megatron_lite.model.rope import apply_rotary
+
+    oracle = opt_einsum.contract("bhmd,bhnd,bhmd->bhmn", q, apply_rotary(t, tables), apply_rotary(q, tables), backend="torch")
+    assert (fused_scores(scheme, q, k, tables, tables) - oracle).abs().max() <= 1e-10
+
+    scale = 1 / math.sqrt(D)
+    via_sdpa = sdpa_attention(scheme.transform_query(q, tables), scheme.transform_key(k, tables), v, positions, positions, None, scale)
+    via_reference = reference_attention(oracle, v, positions, positions, None, scale)
+    assert (via_sdpa - via_reference).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("rotary_dims", [D, D // 2])
+def test_coca_strict_fused_equals_explicit_eq10(rotary_dims: int) -> None:
+    q, k, v = make_inputs(1)
+    positions = torch.arange(T)
+    tables = tables_for(positions, rotary_dims)
+    scheme = CoCAStrict(rotary_dims)
+    # Explicit Eq. 10 written independently: for every (m, n) build the key R_n (t_n * q_m)
+    # pair by pair and dot it with R_m q_m.
+    t = collinear_coefficients(k, rotary_dims)
+    half = rotary_dims // 2
+    theta = 10000.0 ** (-torch.arange(half, dtype=torch.float64) * 2 / rotary_dims)
+    oracle = torch.zeros(B, H, T, T, dtype=torch.float64)
+    for m in range(T):
+        for n in range(T):
+            key = t[:, :, n] * q[:, :, m]  # (B, H, D): Eq. 8 key at position n
+            a_m, a_n = m * theta, n * theta
+            q_rot_first = q[:, :, m, :half] * torch.cos(a_m) - q[:, :, m, half:rotary_dims] * torch.sin(a_m)
+            q_rot_second = q[:, :, m, half:rotary_dims] * torch.cos(a_m) + q[:, :, m, :half] * torch.sin(a_m)
+            k_rot_first = key[..., :half] * torch.cos(a_n) - key[..., half:rotary_dims] * torch.sin(a_n)
+            k_rot_second = key[..., half:rotary_dims] * torch.cos(a_n) + key[..., :half] * torch.sin(a_n)
+            oracle[:, :, m, n] = (
+                (q_rot_first * k_rot_first).sum(-1)
+                + (q_rot_second * k_rot_second).sum(-1)
+                + (q[:, :, m, rotary_dims:] * key[..., rotary_dims:]).sum(-1)
+            )
+    assert (fused_scores(scheme, q, k, tables, tables) - oracle).abs().max() <= 1e-10
+    assert (scheme.reference_scores(q, k, tables, tables) - oracle).abs().max() <= 1e-10
+
+    scale = 1 / math.sqrt(D)
+    via_sdpa = sdpa_attention(scheme.transform_query(q, tables), scheme.transform_key(k, tables), v, positions, positions, None, scale)
+    via_reference = reference_attention(oracle, v, positions, positions, None, scale)
+    assert (via_sdpa - via_reference).abs().max() <= 1e-10
+
+
+def test_coca_strict_eq18_closed_form() -> None:
+    """score(m, n) = sum_j c_{n,j} |q_{m,j}|^2 cos((m - n) theta_j)  (full rotary)."""
+    q, k, _ = make_inputs(2)
+    tables = tables_for(torch.arange(T))
+    scores = fused_scores(CoCAStrict(D), q, k, tables, tables)
+    c = collinear_coefficients(k, D)[..., : D // 2]
+    norm2 = q[..., : D // 2] ** 2 + q[..., D // 2 :] ** 2
+    theta = 10000.0 ** (-torch.arange(D // 2, dtype=torch.float64) * 2 / D)
+    distance = (torch.arange(T)[:, None] - torch.arange(T)[None, :]).to(torch.float64)
+    closed = torch.einsum("bhmj,bhnj,mnj->bhmn", norm2, c, torch.cos(distance[..., None] * theta))
+    assert (scores - closed).abs().max() <= 1e-10
+
+
+def test_strict_key_is_collinear_with_its_query_in_every_pair() -> None:
+    q, k, _ = make_inputs(3)
+    t = collinear_coefficients(k, D)
+    half = D // 2
+    assert (t >= 0).all()
+    assert torch.equal(t[..., :half], t[..., half:])
+    key = collinear_key_eq8(q, t)
+    # Angle between (q_j, q_{j+d/2}) and (k_j, k_{j+d/2}) is zero wherever the key is non-zero.
+    q_pair = torch.stack((q[..., :half], q[..., half:]), dim=-1)
+    k_pair = torch.stack((key[..., :half], key[..., half:]), dim=-1)
+    cross = q_pair[..., 0] * k_pair[..., 1] - q_pair[..., 1] * k_pair[..., 0]
+    dot = (q_pair * k_pair).sum(-1)
+    nonzero = k_pair.norm(dim=-1) > 1e-12
+    assert nonzero.any() and (~nonzero).any()  # relu zeroes some coefficients, keeps others
+    angles = torch.atan2(cross, dot)[nonzero]
+    assert angles.abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize(
+    "scheme, invariant",
+    [(RoPE(), True), (CoCAStrict(D), True), (CoCASlack(D), False)],
+    ids=["rope", "coca_strict", "coca_slack"],
+)
+def test_shifting_all_positions(scheme, invariant: bool) -> None:
+    q, k, _ = make_inputs(4)
+    base_positions = torch.arange(T)
+    shifted = base_positions + 37
+    scores = fused_scores(scheme, q, k, tables_for(base_positions), tables_for(base_positions))
+    shifted_scores = fused_scores(scheme, q, k, tables_for(shifted), tables_for(shifted))
+    difference = (scores - shifted_scores).abs().max().item()
+    if invariant:
+        assert difference <= 1e-10
+    else:
+        assert difference > 1e-3
+
+
+@pytest.mark.parametrize(
+    "num_heads, minus_log2",
+    [
+        (8, [1, 2, 3, 4, 5, 6, 7, 8]),
+        (16, [0.5 * (h + 1) for h in range(16)]),
+        (12, [1, 2, 3, 4, 5, 6, 7, 8, 0.5, 1.5, 2.5, 3.5]),
+        (6, [2, 4, 6, 8, 1, 3]),
+    ],
+)
+def test_alibi_slopes_match_published_values(num_heads: int, minus_log2: list[float]) -> None:
+    slopes = alibi_slopes(num_heads)
+    assert len(slopes) == num_heads
+    for slope, expected in zip(slopes, minus_log2):
+        assert math.isclose(-math.log2(slope), expected, abs_tol=1e-12)
+    assert torch.allclose(ALiBi(num_heads).slopes(), torch.tensor(slopes, dtype=torch.float32))
