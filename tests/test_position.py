@@ -156,3 +156,19 @@ def test_alibi_slopes_match_published_values(num_heads: int, minus_log2: list[fl
     for slope, expected in zip(slopes, minus_log2):
         assert math.isclose(-math.log2(slope), expected, abs_tol=1e-12)
     assert torch.allclose(ALiBi(num_heads).slopes(), torch.tensor(slopes, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("rotary_dims", [D, D // 2])
+def test_coca_gradients_match_autograd_of_the_plain_formulas(rotary_dims: int) -> None:
+    """The memory-lean slack query (custom backward) has the gradient of q * R q."""
+    from megatron_lite.model.rope import apply_rotary
+
+    q, k, _ = make_inputs(5)
+    tables = RotaryEmbedding(rotary_dims, 10000.0, RopeScalingConfig(type="yarn", factor=4.0), 16).tables(
+        torch.arange(T), T, torch.float64)
+    q.requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda x: CoCASlack(rotary_dims).transform_query(x, tables), (q,))
+    upstream = torch.randn(B, H, T, D, dtype=torch.float64)
+    (grad_lean,) = torch.autograd.grad(CoCASlack(rotary_dims).transform_query(q, tables), q, upstream)
+    (grad_plain,) = torch.autograd.grad(q * apply_rotary(q, tables), q, upstream)
+    assert (grad_lean - grad_plain).abs().max() <= 1e-12

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.rope import RotaryEmbedding, RotaryTables, apply_rotary
+from megatron_lite.model.rope import RotaryEmbedding, RotaryTables, apply_rotary, rotate
 
 
 @dataclass
@@ -82,6 +82,22 @@ def collinear_coefficients(t_raw: torch.Tensor, rotary_dims: int) -> torch.Tenso
         c_pass = torch.relu((rest[..., :rest_half] + rest[..., rest_half:]) * 0.5)
         parts += [c_pass, c_pass]
     return torch.cat(parts, dim=-1)
+
+
+class _SlackQuery(torch.autograd.Function):
+    """q' = q * R q. Autograd would save R q (a new (B, H, T, D) tensor); this saves only q, a view of
+    the QKV output that the kernel keeps alive anyway, and recomputes R q in backward:
+    d/dq (q * R q)^T g = g * R q + R^T (g * q)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(q, cos, sin)
+        return q * rotate(q, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        q, cos, sin = ctx.saved_tensors
+        return grad * rotate(q, cos, sin) + rotate(grad * q, cos, sin, transpose=True), None, None
 
 
 def collinear_key_eq8(q_BHTD: torch.Tensor, t_BHTD: torch.Tensor) -> torch.Tensor:
@@ -179,7 +195,7 @@ class CoCASlack(PositionScheme):
 
     def transform_query(self, q_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
         assert tables is not None
-        return q_BHTD * apply_rotary(q_BHTD, tables)
+        return _SlackQuery.apply(q_BHTD, tables.cos, tables.sin)
 
     def transform_key(self, k_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
         assert tables is not None

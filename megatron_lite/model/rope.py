@@ -110,12 +110,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """R x (or R^T x) on the first r = cos.shape[-1] dims; cos/sin (T, r) broadcast over leading dims."""
+    r = cos.shape[-1]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    if transpose:
+        sin = -sin  # R^T pairs (a, b) -> (a cos + b sin, b cos - a sin)
+    if r == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
 def apply_rotary(x_BHTD: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
     """R_n x: rotate the first r dims of every head vector at its position; pass the rest through."""
-    r = tables.cos.shape[-1]
-    cos = tables.cos.to(x_BHTD.dtype)  # (T, r), broadcast over (B, H)
-    sin = tables.sin.to(x_BHTD.dtype)
-    if r == x_BHTD.shape[-1]:
-        return x_BHTD * cos + rotate_half(x_BHTD) * sin
-    x_rot, x_pass = x_BHTD[..., :r], x_BHTD[..., r:]
-    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+    return rotate(x_BHTD, tables.cos, tables.sin)
