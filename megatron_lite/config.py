@@ -156,10 +156,47 @@ class ModelConfig:
 
 
 @dataclass
+class TokenizerConfig:
+    """SentencePiece tokenizer: an existing model, or one trained from the mix (vocab = model.vocab_size)."""
+
+    model: str | None = _doc(
+        "Existing SentencePiece .model file; null trains one from the mix into data.cache_dir with "
+        "model.vocab_size pieces.",
+        default=None,
+    )
+    sample_chars: int = _doc(
+        "Characters drawn from the mix, in its group proportions, to train the tokenizer.", default=20_000_000
+    )
+
+
+@dataclass
+class DataConfig:
+    """Where training tokens come from: a mix file of sources, tokenised once into cached shards."""
+
+    mix: str = _doc(
+        "Mix file (configs/data/*.yml) declaring groups, group weights and sources; relative paths "
+        "are taken from the working directory.",
+        default="configs/data/sample_mix.yml",
+    )
+    cache_dir: str = _doc(
+        "Directory for the tokenizer, MMIDIDX shards, manifest and cached sample order (reused across runs).",
+        default="data/cache/sample",
+    )
+    tokenizer: TokenizerConfig = _doc("Tokenizer; see data.tokenizer.*.", default_factory=TokenizerConfig)
+    validation_fraction: float = _doc(
+        "Fraction of each source's documents held out for validation (split by document, no leakage).",
+        default=0.01,
+    )
+    num_workers: int = _doc("Tokenisation worker processes.", default=2)
+    seed: int = _doc("Seed of the validation split and the sample order.", default=1234)
+
+
+@dataclass
 class Config:
     """Top level of a megatron_lite YAML file."""
 
     model: ModelConfig = _doc("Model architecture; see model.*.", default_factory=ModelConfig)
+    data: DataConfig = _doc("Training data; see data.*.", default_factory=DataConfig)
     precision: Literal["fp32", "bf16", "fp16"] = _doc(
         "Parameter/compute dtype (GPT-NeoX precision).", default="fp32"
     )
@@ -198,6 +235,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         if value not in choices:
             raise ValueError(f"{key}={value!r}: must be one of {', '.join(map(repr, choices))}")
         return value
+    if origin is dict:
+        key_type, value_type = typing.get_args(annotation)
+        if not isinstance(value, dict):
+            raise ValueError(f"{key}={_describe(value)}: expected a mapping")
+        return {_coerce(name, key_type, f"{key} key"): _coerce(item, value_type, f"{key}.{name}") for name, item in value.items()}
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
             raise ValueError(f"{key}={_describe(value)}: expected a mapping of {annotation.__name__} keys")
@@ -225,6 +267,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             raise ValueError(f"{key}={_describe(value)}: expected a string")
         return value
     raise TypeError(f"unsupported annotation {annotation!r} for {key}")  # a bug in this module
+
+
+def parse_dataclass(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from a mapping with type checks; errors name ``prefix + key``."""
+    return _from_dict(cls, data, prefix)
 
 
 def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
@@ -275,6 +322,12 @@ def validate(config: Config) -> Config:
     _require(model.layernorm_epsilon > 0, f"model.layernorm_epsilon={model.layernorm_epsilon}: must be positive")
     _require(model.init_method_std > 0, f"model.init_method_std={model.init_method_std}: must be positive")
     _require(model.attention.chunk_size > 0, f"model.attention.chunk_size={model.attention.chunk_size}: must be positive")
+
+    data = config.data
+    _require(0.0 <= data.validation_fraction < 1.0,
+             f"data.validation_fraction={data.validation_fraction}: must be in [0, 1)")
+    _require(data.num_workers >= 1, f"data.num_workers={data.num_workers}: must be >= 1")
+    _require(data.tokenizer.sample_chars > 0, f"data.tokenizer.sample_chars={data.tokenizer.sample_chars}: must be positive")
 
     position = model.position
     if model.uses_rotary:
@@ -385,8 +438,8 @@ def save(config: Config, path: str | Path) -> None:
         yaml.safe_dump(to_dict(config), handle, sort_keys=False)
 
 
-def documentation() -> str:
-    """Markdown table of every key, its type, default and help text."""
+def documentation(root: type | None = None) -> str:
+    """Markdown table of every key of ``root`` (default Config): type, default, help text."""
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
 
     def walk(cls: type, prefix: str) -> None:
@@ -396,15 +449,35 @@ def documentation() -> str:
             if dataclasses.is_dataclass(annotation):
                 walk(annotation, f"{prefix}{item.name}.")
                 continue
-            default = item.default if item.default is not dataclasses.MISSING else item.default_factory()
+            if typing.get_origin(annotation) is dict and dataclasses.is_dataclass(typing.get_args(annotation)[1]):
+                lines.append(f"| `{prefix}{item.name}` | mapping | – | {item.metadata['help']} |")
+                walk(typing.get_args(annotation)[1], f"{prefix}{item.name}.NAME.")
+                continue
+            if item.default is not dataclasses.MISSING:
+                default = item.default
+            elif item.default_factory is not dataclasses.MISSING:
+                default = item.default_factory()
+            else:
+                default = "required"
             type_name = " \\| ".join(map(str, typing.get_args(annotation))) if typing.get_origin(annotation) is Literal \
                 else str(annotation).replace("typing.", "").replace("|", "\\|")
             if isinstance(annotation, type):
                 type_name = annotation.__name__
             lines.append(f"| `{prefix}{item.name}` | {type_name} | `{default}` | {item.metadata['help']} |")
 
-    walk(Config, "")
+    walk(root or Config, "")
     return "\n".join(lines) + "\n"
+
+
+def documentation_page() -> str:
+    """docs/config.md: the run config and the mix-file format."""
+    from megatron_lite.data.mix import MixConfig
+
+    return (
+        "# Configuration reference\n\nGenerated by `python -m megatron_lite.config --doc`.\n\n"
+        "## Run config (`configs/*.yml`)\n\n" + documentation(Config)
+        + "\n## Mix files (`configs/data/*.yml`, named by `data.mix`)\n\n" + documentation(MixConfig)
+    )
 
 
 def main() -> None:
@@ -416,8 +489,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     if args.doc:
-        print("# Configuration reference\n\nGenerated by `python -m megatron_lite.config --doc`.\n")
-        print(documentation(), end="")
+        print(documentation_page(), end="")
     if args.config:
         print(yaml.safe_dump(to_dict(load(args.config, args.set)), sort_keys=False), end="")
 

@@ -1,0 +1,79 @@
+"""The contract between preprocessing and loading: what was tokenised, where, with which tokenizer.
+
+    <data.cache_dir>/
+      tokenizer/tokenizer.model          SentencePiece model (trained or copied)
+      shards/<source>/<source>_<k>_text_document.{bin,idx}   MMIDIDX shards, k = 00000, 00001, ...
+      manifest.json                      this file (written last, atomically)
+      index/                             cached sample orders (.npy), written by the loader
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class ShardRecord:
+    prefix: str  # relative to the cache dir, without .bin/.idx
+    documents: int
+    tokens: int
+    bin_sha256: str
+    idx_sha256: str
+
+
+@dataclass
+class SourceRecord:
+    group: str
+    config_hash: str  # hash of the SourceConfig and cleaning settings that produced the shards
+    shards: list[ShardRecord] = field(default_factory=list)
+    documents: int = 0
+    tokens: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # problem -> count (bad records, too short, duplicates)
+    skipped_examples: dict[str, list[str]] = field(default_factory=dict)  # problem -> first few locations
+    complete: bool = False
+
+
+@dataclass
+class TokenizerRecord:
+    path: str  # relative to the cache dir
+    sha256: str
+    vocab_size: int
+    eod_id: int
+    pad_id: int
+
+
+@dataclass
+class Manifest:
+    tokenizer: TokenizerRecord
+    sources: dict[str, SourceRecord] = field(default_factory=dict)
+
+    def shard_prefixes(self, cache_dir: str | Path, source: str) -> list[Path]:
+        return [Path(cache_dir) / shard.prefix for shard in self.sources[source].shards]
+
+
+def manifest_path(cache_dir: str | Path) -> Path:
+    return Path(cache_dir) / "manifest.json"
+
+
+def save_manifest(manifest: Manifest, cache_dir: str | Path) -> None:
+    """Atomic: write a temp file, then rename over the old manifest."""
+    path = manifest_path(cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True))
+    os.replace(temporary, path)
+
+
+def load_manifest(cache_dir: str | Path) -> Manifest:
+    path = manifest_path(cache_dir)
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: run tools/preprocess_data.py --config CONFIG first")
+    data = json.loads(path.read_text())
+    sources = {
+        name: SourceRecord(**{**record, "shards": [ShardRecord(**shard) for shard in record["shards"]]})
+        for name, record in data["sources"].items()
+    }
+    return Manifest(tokenizer=TokenizerRecord(**data["tokenizer"]), sources=sources)

@@ -1,0 +1,112 @@
+"""Mix files (configs/data/*.yml): named groups with token weights, each a set of named sources.
+
+    groups:
+      text:
+        weight: 0.75
+        sources:
+          wikipedia: {type: hf, path: wikimedia/wikipedia, name: 20231101.en, streaming: true}
+      code:
+        weight: 0.25
+        sources:
+          stdlib: {type: python_code}
+
+Group weights are shares of training tokens. Inside a group, sources take their natural token
+proportions unless every source of the group sets ``weight``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from megatron_lite.config import parse_dataclass
+
+
+def _doc(help_text: str, **kwargs):  # same convention as megatron_lite.config
+    return field(metadata={"help": help_text}, **kwargs)
+
+
+@dataclass
+class SourceConfig:
+    type: Literal["hf", "jsonl", "text", "parquet", "python_docs", "python_code"] = _doc(
+        "hf: a datasets hub id or local dataset dir (load_dataset); jsonl: JSON-lines files; text: .txt "
+        "files or directories (one document per file); parquet: parquet files; python_docs / python_code: "
+        "the built-in offline sample (English prose / stdlib sources shipped with Python)."
+    )
+    path: str | None = _doc("Hub id, or a local file, directory or glob.", default=None)
+    name: str | None = _doc("HF dataset configuration name (e.g. 20231101.en).", default=None)
+    split: str = _doc("HF split.", default="train")
+    data_files: str | None = _doc("HF data_files pattern (a subset of a hub dataset's files).", default=None)
+    streaming: bool = _doc("Stream from the hub instead of downloading the whole dataset first.", default=False)
+    text_field: str = _doc("Record field holding the document text (hf, jsonl, parquet).", default="text")
+    weight: float | None = _doc("Token weight inside the group; null = natural token proportion.", default=None)
+    max_documents: int | None = _doc("Read at most this many documents (samples a huge source).", default=None)
+    strip_gutenberg: bool = _doc("Strip Project Gutenberg headers/footers (*** START/END OF ... ***).", default=False)
+    normalize_newlines: bool = _doc("Convert CRLF/CR line ends to LF.", default=True)
+    min_chars: int = _doc("Drop (and count) documents shorter than this after cleaning.", default=1)
+    deduplicate: bool = _doc("Drop (and count) exact duplicate documents within the source.", default=True)
+
+
+@dataclass
+class GroupConfig:
+    weight: float = _doc("Share of training tokens (group weights are normalised to sum to 1).")
+    sources: dict[str, SourceConfig] = _doc("Named sources of this group.")
+
+
+@dataclass
+class MixConfig:
+    groups: dict[str, GroupConfig] = _doc("Named groups (e.g. text, code).")
+    description: str = _doc("Free text shown by inspect tools.", default="")
+
+
+def validate_mix(mix: MixConfig, origin: str = "mix") -> MixConfig:
+    if not mix.groups:
+        raise ValueError(f"{origin}: groups is empty")
+    for group_name, group in mix.groups.items():
+        if not (group.weight > 0 and math.isfinite(group.weight)):
+            raise ValueError(f"{origin}: groups.{group_name}.weight={group.weight}: must be positive")
+        if not group.sources:
+            raise ValueError(f"{origin}: groups.{group_name}.sources is empty")
+        weighted = [name for name, source in group.sources.items() if source.weight is not None]
+        if weighted and len(weighted) != len(group.sources):
+            raise ValueError(
+                f"{origin}: groups.{group_name}: set weight on every source or on none "
+                f"(set on {', '.join(weighted)})"
+            )
+        for source_name, source in group.sources.items():
+            key = f"groups.{group_name}.sources.{source_name}"
+            if source.weight is not None and not source.weight > 0:
+                raise ValueError(f"{origin}: {key}.weight={source.weight}: must be positive")
+            if source.type in ("hf", "jsonl", "text", "parquet") and not source.path:
+                raise ValueError(f"{origin}: {key}.path is required for type {source.type}")
+            if source.max_documents is not None and source.max_documents <= 0:
+                raise ValueError(f"{origin}: {key}.max_documents={source.max_documents}: must be positive")
+    names = [name for group in mix.groups.values() for name in group.sources]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"{origin}: source names must be unique across groups: {', '.join(duplicates)}")
+    return mix
+
+
+def load_mix(path: str | Path) -> MixConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"data.mix={str(path)!r}: file does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: top level must be a mapping")
+    try:
+        return validate_mix(parse_dataclass(MixConfig, data), str(path))
+    except ValueError as error:
+        message = str(error)
+        raise ValueError(message if message.startswith(str(path)) else f"{path}: {message}") from None
+
+
+def group_weights(mix: MixConfig) -> dict[str, float]:
+    """Group token shares normalised to sum to 1."""
+    total = sum(group.weight for group in mix.groups.values())
+    return {name: group.weight / total for name, group in mix.groups.items()}
