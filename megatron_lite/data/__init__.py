@@ -1,0 +1,1 @@
+"""Token data: Megatron/GPT-NeoX MMIDIDX indexed datasets."""
