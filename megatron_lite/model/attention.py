@@ -58,6 +58,8 @@ def sdpa_attention(
         # Decoding: every cached key precedes every query.
         return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, scale=scale, dropout_p=dropout_p)
     mask = attention_mask(q_positions, k_positions, slopes_H, q_BHTD.dtype)
+    if mask.dim() == 3:
+        mask = mask[None]  # (1, H, T, S): the fused CPU kernel takes 2-D or 4-D masks only
     return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask, scale=scale, dropout_p=dropout_p)
 
 

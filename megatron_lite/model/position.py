@@ -67,21 +67,33 @@ def alibi_slopes(num_heads: int) -> list[float]:
     return power_of_two_slopes(closest) + alibi_slopes(2 * closest)[0::2][: num_heads - closest]
 
 
+def pair_coefficients(t_raw: torch.Tensor, rotary_dims: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """CoCA's coefficients, one per pair: c_i = relu((t_i + t_{i+r/2}) / 2) over the rotary dims,
+    and the same over the pass-through dims (>= r), paired among themselves. (..., D) -> (..., r/2), (..., (D-r)/2)."""
+    half = rotary_dims // 2
+    c_rot = torch.relu((t_raw[..., :half] + t_raw[..., half:rotary_dims]) * 0.5)
+    if t_raw.shape[-1] == rotary_dims:
+        return c_rot, None
+    rest = t_raw[..., rotary_dims:]
+    rest_half = rest.shape[-1] // 2
+    return c_rot, torch.relu((rest[..., :rest_half] + rest[..., rest_half:]) * 0.5)
+
+
 def collinear_coefficients(t_raw: torch.Tensor, rotary_dims: int) -> torch.Tensor:
     """CoCA's T: non-negative, equal within each rotary pair (i, i + r/2). (..., D) -> (..., D).
 
     With rotary_pct = 1 this is exactly the official layout (halves of the head dim). Pass-through
     dims (>= r) are paired among themselves the same way.
     """
-    half = rotary_dims // 2
-    c = torch.relu((t_raw[..., :half] + t_raw[..., half:rotary_dims]) * 0.5)
-    parts = [c, c]
-    if t_raw.shape[-1] > rotary_dims:
-        rest = t_raw[..., rotary_dims:]
-        rest_half = rest.shape[-1] // 2
-        c_pass = torch.relu((rest[..., :rest_half] + rest[..., rest_half:]) * 0.5)
-        parts += [c_pass, c_pass]
+    c_rot, c_pass = pair_coefficients(t_raw, rotary_dims)
+    parts = [c_rot, c_rot] if c_pass is None else [c_rot, c_rot, c_pass, c_pass]
     return torch.cat(parts, dim=-1)
+
+
+def cat_heads_last(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate (B, H, T, k) pieces along k with a (B, T, H, D) memory layout — the layout of the
+    QKV projection's views — so the kernel output reshapes to (B, T, C) without a copy."""
+    return torch.cat([part.transpose(1, 2) for part in parts], dim=-1).transpose(1, 2)
 
 
 class _SlackQuery(torch.autograd.Function):
@@ -198,8 +210,15 @@ class CoCASlack(PositionScheme):
         return _SlackQuery.apply(q_BHTD, tables.cos, tables.sin)
 
     def transform_key(self, k_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
+        """R_n [c, c] = [c (cos - sin), c (cos + sin)] without materialising [c, c]."""
         assert tables is not None
-        return apply_rotary(collinear_coefficients(k_BHTD, self.rotary_dims), tables)
+        half = self.rotary_dims // 2
+        c_rot, c_pass = pair_coefficients(k_BHTD, self.rotary_dims)  # (B, H, T, r/2)
+        cos, sin = tables.cos[:, :half].to(c_rot.dtype), tables.sin[:, :half].to(c_rot.dtype)
+        parts = [c_rot * (cos - sin), c_rot * (cos + sin)]
+        if c_pass is not None:
+            parts += [c_pass, c_pass]
+        return cat_heads_last(parts)
 
     def reference_scores(self, q_BHTD, k_BHSD, q_tables, k_tables):  # type: ignore[override]
         """The official code's contraction: einsum('bhmd,bhnd,bhmd->bhmn', q, R t, R q)."""
@@ -226,17 +245,16 @@ class CoCAStrict(PositionScheme):
         if q_BHTD.shape[-1] > self.rotary_dims:
             q_pass = q_BHTD[..., self.rotary_dims :]
             parts.append(q_pass * q_pass)
-        return torch.cat(parts, dim=-1)
+        return cat_heads_last(parts)
 
     def transform_key(self, k_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
         assert tables is not None
         half = self.rotary_dims // 2
-        t = collinear_coefficients(k_BHTD, self.rotary_dims)
-        c = t[..., :half]  # (B, H, T, r/2) one coefficient per rotary pair
-        parts = [c * tables.cos[:, :half].to(t.dtype), c * tables.sin[:, :half].to(t.dtype)]  # R_n [c, 0]
-        if t.shape[-1] > self.rotary_dims:
-            parts.append(t[..., self.rotary_dims :])
-        return torch.cat(parts, dim=-1)
+        c_rot, c_pass = pair_coefficients(k_BHTD, self.rotary_dims)  # (B, H, T, r/2) one per rotary pair
+        parts = [c_rot * tables.cos[:, :half].to(c_rot.dtype), c_rot * tables.sin[:, :half].to(c_rot.dtype)]  # R_n [c, 0]
+        if c_pass is not None:
+            parts += [c_pass, c_pass]
+        return cat_heads_last(parts)
 
     def reference_scores(self, q_BHTD, k_BHSD, q_tables, k_tables):  # type: ignore[override]
         """Explicit Eq. 10: key tensor R_n (t_n * q_m) for every (m, n), shape (B, H, T, S, D)."""
