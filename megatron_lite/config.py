@@ -321,6 +321,10 @@ def validate(config: Config) -> Config:
         _require(0.0 <= value < 1.0, f"model.{name}={value}: must be in [0, 1)")
     _require(model.layernorm_epsilon > 0, f"model.layernorm_epsilon={model.layernorm_epsilon}: must be positive")
     _require(model.init_method_std > 0, f"model.init_method_std={model.init_method_std}: must be positive")
+    _require(
+        not (model.attention.backend == "flash" and config.precision == "fp32"),
+        "model.attention.backend=flash needs precision bf16 or fp16 (flash-attn has no fp32 kernels), got precision=fp32",
+    )
     _require(model.attention.chunk_size > 0, f"model.attention.chunk_size={model.attention.chunk_size}: must be positive")
 
     data = config.data

@@ -71,6 +71,7 @@ def write(tmp_path: Path, data: dict) -> Path:
         ({"model": {"attention": {"backend": "triton"}}}, r"model\.attention\.backend='triton'"),
         ({"model": {"seq_length": 512, "max_position_embeddings": 256}}, r"model\.max_position_embeddings=256"),
         ({"precision": "fp8"}, r"precision='fp8'"),
+        ({"precision": "fp32", "model": {"attention": {"backend": "flash"}}}, r"backend=flash needs precision bf16 or fp16"),
         ({"model": {"position": 3}}, r"model\.position=3 \(int\): expected a mapping"),
         ({"data": {"validation_fraction": 1.5}}, r"data\.validation_fraction=1\.5"),
         ({"data": {"tokenizr": {}}}, r"data\.tokenizr; did you mean data\.tokenizer"),

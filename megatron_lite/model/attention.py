@@ -128,8 +128,8 @@ def reference_attention(
     """Softmax over materialised scores (computed in at least float32)."""
     compute_dtype = torch.promote_types(scores_BHTS.dtype, torch.float32)
     scores = scores_BHTS.to(compute_dtype) * scale
-    scores = scores + attention_mask(q_positions, k_positions, slopes_H, compute_dtype) if slopes_H is not None \
-        else scores.masked_fill(~causal_allowed(q_positions, k_positions), float("-inf"))
+    mask = attention_mask(q_positions, k_positions, slopes_H, compute_dtype)
+    scores = scores + mask if slopes_H is not None else scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v_BHSD.dtype)
     return probs @ v_BHSD
 
@@ -170,8 +170,9 @@ class SelfAttention(nn.Module):
 
         if self.backend == "reference":
             # The paper path needs raw q and raw k/t; the cache holds raw keys here.
-            keys_BHSD, v_BHSD, k_positions = (k_BHTD, v_BHTD, ctx.positions) if cache is None \
-                else cache.append(k_BHTD, v_BHTD, ctx.positions)
+            keys_BHSD, v_BHSD, k_positions = k_BHTD, v_BHTD, ctx.positions
+            if cache is not None:
+                keys_BHSD, v_BHSD, k_positions = cache.append(k_BHTD, v_BHTD, ctx.positions)
             scores = scheme.reference_scores(q_BHTD, keys_BHSD, ctx.tables, ctx.tables_at(k_positions))
             out_BHTD = reference_attention(scores, v_BHSD, ctx.positions, k_positions, slopes_H, self.scale)
         else:
