@@ -23,7 +23,9 @@ ROTARY_SCHEMES = [s for s in SCHEMES if s[0] in ("rope", "coca")]
 ROTARY_IDS = ["rope", "coca_slack", "coca_strict"]
 
 
-def tiny_config(scheme: str = "coca", constraint: str = "slack", backend: str = "sdpa", **model_overrides) -> Config:
+def tiny_config(
+    scheme: str = "coca", constraint: str = "slack", backend: str = "sdpa", precision: str = "fp32", **model_overrides
+) -> Config:
     """2 layers, width 64, 4 heads, training length 16, vocab 256 (padded to 256)."""
     model = {
         "num_layers": 2,
@@ -42,7 +44,7 @@ def tiny_config(scheme: str = "coca", constraint: str = "slack", backend: str = 
         for parent in parents:
             node = node[parent]
         node[leaf] = value
-    return config_lib.from_dict({"model": model, "seed": 7})
+    return config_lib.from_dict({"model": model, "seed": 7, "precision": precision})
 
 
 @pytest.fixture(autouse=True)

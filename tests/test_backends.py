@@ -110,7 +110,7 @@ def test_flash_matches_sdpa_on_gpu(scheme: str, constraint: str) -> None:
     input_ids = torch.randint(0, 250, (2, 50), device="cuda")
     outputs = {}
     for backend in ("sdpa", "flash"):
-        model = build_model(tiny_config(scheme, constraint, backend), device="cuda").to(torch.bfloat16).eval()
+        model = build_model(tiny_config(scheme, constraint, backend, precision="bf16"), device="cuda").eval()
         with torch.no_grad():
             outputs[backend] = model(input_ids).float()
     assert (outputs["flash"] - outputs["sdpa"]).abs().max() <= 5e-2
