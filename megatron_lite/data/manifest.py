@@ -34,6 +34,8 @@ class SourceRecord:
     skipped: dict[str, int] = field(default_factory=dict)  # problem -> count (bad records, too short, duplicates)
     skipped_examples: dict[str, list[str]] = field(default_factory=dict)  # problem -> first few locations
     complete: bool = False
+    warnings: dict[str, int] = field(default_factory=dict)  # problem -> documents kept despite it (gutenberg markers missing)
+    warning_examples: dict[str, list[str]] = field(default_factory=dict)  # problem -> first few locations
 
 
 @dataclass

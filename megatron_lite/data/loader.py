@@ -1,0 +1,310 @@
+"""Training and validation datasets over the cached blend index (megatron_lite.data.blend).
+
+    train, valid = build_train_valid_datasets(config, manifest, num_train_samples=iters * global_batch,
+                                              num_valid_samples=..., rank=dp_rank, world_size=dp_size,
+                                              consumed_samples=samples_seen_before_resume)
+    loader = torch.utils.data.DataLoader(train, batch_size=micro_batch, shuffle=False)
+
+Each item is ``{"input_ids": (S,) int64, "labels": (S,) int64, "source": int, "group": int,
+"index": int}``: the sample's S+1 tokens split into inputs and next-token labels (already shifted:
+the trainer must not shift again; no loss mask at document boundaries, as in GPT-NeoX), the ids of
+its source and group (names in ``dataset.source_names`` / ``dataset.group_names``) for logging
+shares, and its global sample index.
+
+Ranks: global sample k goes to data-parallel rank k % world_size, in order. Resume: with
+``consumed_samples=c`` (global, all ranks together) each rank continues at the first k >= c of
+its own, so the union of the ranks' streams is exactly the single-rank stream from c.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from megatron_lite.config import Config
+from megatron_lite.data import blend
+from megatron_lite.data.indexed import IndexedDataset
+from megatron_lite.data.manifest import Manifest
+from megatron_lite.data.mix import MixConfig, group_weights, load_mix
+
+
+@dataclass(frozen=True)
+class SourceShards:
+    """One mix source as found in the manifest."""
+
+    name: str
+    group: str
+    weight: float | None  # explicit weight inside the group; None = natural token proportion
+    prefixes: tuple[str, ...]  # absolute shard prefixes (no .bin/.idx)
+    fingerprint: tuple[tuple[str, int, int, str, str], ...]  # per shard: prefix, documents, tokens, sha256s
+
+
+def resolve_sources(config: Config, manifest: Manifest, mix: MixConfig | None = None) -> tuple[list[SourceShards], dict[str, float]]:
+    """The mix's sources (in mix order) matched to the manifest, and the normalised group weights."""
+    mix = mix if mix is not None else load_mix(config.data.mix)
+    cache_dir = Path(config.data.cache_dir)
+    sources = []
+    for group_name, group in mix.groups.items():
+        for name, source_config in group.sources.items():
+            record = manifest.sources.get(name)
+            hint = f"run tools/preprocess_data.py --config CONFIG (data.cache_dir={str(cache_dir)!r})"
+            if record is None:
+                raise ValueError(f"source {name!r} of data.mix={config.data.mix!r} is not in the manifest: {hint}")
+            if record.group != group_name:
+                raise ValueError(f"source {name!r}: group {record.group!r} in the manifest, {group_name!r} in the mix: {hint}")
+            if not record.complete or not record.shards:
+                raise ValueError(f"source {name!r}: preprocessing is incomplete (no finished shards): {hint}")
+            sources.append(SourceShards(
+                name=name, group=group_name, weight=source_config.weight,
+                prefixes=tuple(str(cache_dir / shard.prefix) for shard in record.shards),
+                fingerprint=tuple((s.prefix, s.documents, s.tokens, s.bin_sha256, s.idx_sha256) for s in record.shards),
+            ))
+    return sources, group_weights(mix)
+
+
+def document_lengths(source: SourceShards) -> np.ndarray:
+    """(documents,) int64 tokens per document over all shards; checked against the manifest."""
+    parts = []
+    for prefix, (_, documents, tokens, _, _) in zip(source.prefixes, source.fingerprint):
+        shard = IndexedDataset(prefix)
+        if (shard.num_documents, shard.num_tokens) != (documents, tokens):
+            raise ValueError(
+                f"{shard.idx_path}: {shard.num_documents} documents / {shard.num_tokens} tokens, the manifest "
+                f"says {documents} / {tokens}: the shard changed after preprocessing; rerun it"
+            )
+        cumulative = np.concatenate([[0], np.cumsum(shard.sizes, dtype=np.int64)])  # (N+1,)
+        parts.append(cumulative[shard.doc_idx[1:]] - cumulative[shard.doc_idx[:-1]])
+    return np.concatenate(parts)
+
+
+class BlendedDataset(Dataset):
+    """Global sample k of one split (all ranks); memory-maps the index and the shards."""
+
+    def __init__(self, index: blend.BlendIndex, sources: Sequence[SourceShards]) -> None:
+        self.index = index
+        self.sources = list(sources)
+        meta = index.meta
+        self.seq_length: int = meta["seq_length"]
+        self.source_names: list[str] = [s["name"] for s in meta["sources"]]
+        self.group_names: list[str] = list(meta["groups"])
+        self.source_group = np.array([self.group_names.index(s["group"]) for s in meta["sources"]], dtype=np.int64)
+        self.blend_source: np.ndarray = index.arrays["blend_source"]  # (N,) source id of each sample
+        self._blend_sample: np.ndarray = index.arrays["blend_sample"]  # (N,) index within the source
+        self._shards: list[tuple[list[IndexedDataset], np.ndarray]] | None = None  # opened lazily
+
+    def __len__(self) -> int:
+        return int(self.blend_source.shape[0])
+
+    def documents(self, source: str) -> np.ndarray:
+        """Document ids of ``source`` in this split (validation documents for the valid split)."""
+        return np.asarray(self.index.arrays[f"documents_{self.source_names.index(source)}"])
+
+    def _open_shards(self) -> list[tuple[list[IndexedDataset], np.ndarray]]:
+        opened = []
+        for source in self.sources:
+            shards = [IndexedDataset(prefix) for prefix in source.prefixes]
+            first_document = np.cumsum([0] + [s.num_documents for s in shards])  # (shards+1,)
+            opened.append((shards, first_document))
+        return opened
+
+    def _document(self, source: int, document: int) -> np.ndarray:
+        if self._shards is None:
+            self._shards = self._open_shards()
+        shards, first_document = self._shards[source]
+        if len(shards) == 1:
+            return shards[0].document(document)
+        shard = int(np.searchsorted(first_document, document, side="right")) - 1
+        return shards[shard].document(document - int(first_document[shard]))
+
+    def tokens(self, k: int) -> np.ndarray:
+        """(seq_length + 1,) int64 tokens of global sample k (packed across documents)."""
+        if not 0 <= k < len(self):
+            raise IndexError(f"sample {k} out of range for {len(self)} samples")
+        source, j = int(self.blend_source[k]), int(self._blend_sample[k])
+        doc_order = self.index.arrays[f"doc_order_{source}"]
+        position, offset = (int(v) for v in self.index.arrays[f"sample_idx_{source}"][j])
+        needed, pieces = self.seq_length + 1, []
+        while needed > 0:
+            piece = self._document(source, int(doc_order[position]))[offset : offset + needed]
+            pieces.append(piece)
+            needed -= len(piece)
+            position, offset = position + 1, 0
+        return (pieces[0] if len(pieces) == 1 else np.concatenate(pieces)).astype(np.int64)
+
+    def __getitem__(self, k: int) -> dict[str, Any]:
+        tokens = torch.from_numpy(self.tokens(int(k)))  # (S+1,)
+        source = int(self.blend_source[k])
+        return {"input_ids": tokens[:-1], "labels": tokens[1:], "source": source,
+                "group": int(self.source_group[source]), "index": int(k)}
+
+    # DataLoader workers: send the index directory and re-mmap instead of pickling the arrays.
+    def __getstate__(self) -> dict[str, Any]:
+        return {"directory": str(self.index.directory), "sources": self.sources}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(blend.open_index(state["directory"]), state["sources"])  # type: ignore[misc]
+
+
+class RankSlice(Dataset):
+    """One rank's samples: global k >= start with k % world_size == rank, in increasing order."""
+
+    def __init__(self, dataset: BlendedDataset, rank: int = 0, world_size: int = 1, start: int = 0) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
+        if not 0 <= start <= len(dataset):
+            raise ValueError(f"consumed_samples={start}: must be in [0, {len(dataset)}] (the split's samples)")
+        self.dataset = dataset
+        self.global_indices = range(start + (rank - start) % world_size, len(dataset), world_size)
+
+    def __len__(self) -> int:
+        return len(self.global_indices)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.dataset[self.global_indices[i]]
+
+    @property
+    def source_names(self) -> list[str]:
+        return self.dataset.source_names
+
+    @property
+    def group_names(self) -> list[str]:
+        return self.dataset.group_names
+
+
+def _is_index_builder(rank: int) -> bool:
+    """Global rank 0 builds (data-parallel rank 0 may exist once per model-parallel group)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() == 0 if dist.is_available() and dist.is_initialized() else rank == 0
+
+
+def build_blended_dataset(
+    config: Config,
+    manifest: Manifest,
+    split: str,
+    num_samples: int,
+    *,
+    mix: MixConfig | None = None,
+    is_builder: bool = True,
+    shuffle_block: int = blend.DEFAULT_SHUFFLE_BLOCK,
+    wait_timeout_s: float = 3600.0,
+) -> BlendedDataset:
+    """All ``num_samples`` samples of ``split``; the order is cached under <cache_dir>/index/<hash>/."""
+    sources, weights = resolve_sources(config, manifest, mix)
+    data = config.data
+    inputs = {
+        "split": split, "num_samples": num_samples, "seq_length": config.model.seq_length, "seed": data.seed,
+        "validation_fraction": data.validation_fraction, "shuffle_block": shuffle_block, "group_weights": weights,
+        "sources": [{"name": s.name, "group": s.group, "weight": s.weight, "shards": [list(f) for f in s.fingerprint]}
+                    for s in sources],
+    }
+
+    def build() -> blend.BlendArrays:
+        blend_sources = [blend.BlendSource(s.name, s.group, document_lengths(s), s.weight) for s in sources]
+        return blend.build_blend(
+            blend_sources, weights, split=split, num_samples=num_samples, seq_length=config.model.seq_length,
+            seed=data.seed, validation_fraction=data.validation_fraction, shuffle_block=shuffle_block,
+        )
+
+    root = Path(data.cache_dir) / "index"
+    index = blend.load_or_build(root, inputs, build, is_builder=is_builder, wait_timeout_s=wait_timeout_s)
+    return BlendedDataset(index, sources)
+
+
+def build_train_valid_datasets(
+    config: Config,
+    manifest: Manifest,
+    num_train_samples: int,
+    num_valid_samples: int,
+    rank: int = 0,
+    world_size: int = 1,
+    consumed_samples: int = 0,
+    *,
+    mix: MixConfig | None = None,
+    wait_timeout_s: float = 3600.0,
+) -> tuple[RankSlice, RankSlice | None]:
+    """This rank's training stream (from ``consumed_samples``) and validation stream (from 0).
+
+    Sample counts are global (all ranks). The validation dataset is None when num_valid_samples
+    is 0 or data.validation_fraction is 0.
+    """
+    if num_train_samples <= 0:
+        raise ValueError(f"num_train_samples={num_train_samples}: must be positive")
+    if num_valid_samples < 0:
+        raise ValueError(f"num_valid_samples={num_valid_samples}: must be >= 0")
+    is_builder = _is_index_builder(rank)
+    common = {"mix": mix, "is_builder": is_builder, "wait_timeout_s": wait_timeout_s}
+    train = build_blended_dataset(config, manifest, "train", num_train_samples, **common)
+    train_slice = RankSlice(train, rank, world_size, consumed_samples)
+    if num_valid_samples == 0:
+        return train_slice, None
+    if config.data.validation_fraction == 0:
+        warnings.warn(f"num_valid_samples={num_valid_samples} ignored: data.validation_fraction is 0", stacklevel=2)
+        return train_slice, None
+    valid = build_blended_dataset(config, manifest, "valid", num_valid_samples, **common)
+    return train_slice, RankSlice(valid, rank, world_size, 0)
+
+
+def data_report(config: Config, manifest: Manifest, num_samples: int, *, mix: MixConfig | None = None) -> dict[str, Any]:
+    """What tools/inspect_data.py prints: token shares of the first ``num_samples`` training samples
+    (all samples have seq_length tokens, so sample shares are token shares), per-source counts,
+    and sample 0."""
+    dataset = build_blended_dataset(config, manifest, "train", num_samples, mix=mix)
+    counts = np.bincount(np.asarray(dataset.blend_source), minlength=len(dataset.source_names))  # (sources,)
+    source_share = {name: float(c) / num_samples for name, c in zip(dataset.source_names, counts)}
+    group_share = {group: 0.0 for group in dataset.group_names}
+    for name, share, group in zip(dataset.source_names, source_share.values(), dataset.source_group):
+        group_share[dataset.group_names[group]] += share
+    train_meta = {s["name"]: s for s in dataset.index.meta["sources"]}
+    sources = {}
+    for name in dataset.source_names:
+        record = manifest.sources[name]
+        meta = train_meta[name]
+        sources[name] = {
+            "group": record.group, "documents": record.documents, "tokens": record.tokens,
+            "train_documents": meta["documents"], "train_tokens": meta["tokens"],
+            "validation_documents": record.documents - meta["documents"],
+            "weight_in_group": meta["weight_in_group"], "epochs": meta["epochs"], "skipped": record.skipped,
+        }
+    first = dataset[0]
+    return {
+        "num_samples": num_samples, "seq_length": dataset.seq_length, "index": str(dataset.index.directory),
+        "group_token_share": group_share, "source_token_share": source_share,
+        "group_weights": dataset.index.meta["group_weights"], "sources": sources,
+        "tokenizer": {"path": manifest.tokenizer.path, "vocab_size": manifest.tokenizer.vocab_size,
+                      "eod_id": manifest.tokenizer.eod_id},
+        "sample": {"index": 0, "source": dataset.source_names[first["source"]],
+                   "group": dataset.group_names[first["group"]], "input_ids": first["input_ids"].tolist()},
+    }
+
+
+def find_prepare_data() -> Callable[[Config], Any] | None:
+    """megatron_lite.data.preprocess.prepare_data(config) if it is installed, else None."""
+    try:
+        module = importlib.import_module("megatron_lite.data.preprocess")
+    except ModuleNotFoundError as error:
+        if error.name != "megatron_lite.data.preprocess":
+            raise  # the module exists but one of its own imports is missing: show that
+        return None
+    return getattr(module, "prepare_data", None)
+
+
+def decode_tokens(token_ids: Sequence[int], cache_dir: str | os.PathLike[str], manifest: Manifest) -> str | None:
+    """Text of ``token_ids`` with the manifest's SentencePiece model; None if it is not available."""
+    path = Path(cache_dir) / manifest.tokenizer.path
+    if not path.is_file():
+        return None
+    try:
+        import sentencepiece
+    except ImportError:
+        return None
+    return sentencepiece.SentencePieceProcessor(model_file=str(path)).decode([int(t) for t in token_ids])

@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Show what training will read: token shares of the first N samples, sources, one decoded sample.
+
+    python tools/inspect_data.py --config configs/tiny/coca_slack.yml --num-samples 10000 [--json]
+
+Reads the prepared data.cache_dir. Without a manifest it runs preprocessing first
+(megatron_lite.data.preprocess.prepare_data) when that is installed, else says which command to run.
+The first N samples' order is built (and cached under <cache_dir>/index/) like the training one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_lite import config as config_lib
+from megatron_lite.config import Config
+from megatron_lite.data.loader import data_report, decode_tokens, find_prepare_data
+from megatron_lite.data.manifest import Manifest, load_manifest, manifest_path
+
+
+def ensure_manifest(config: Config, config_path: str) -> Manifest | None:
+    """The manifest of data.cache_dir, preparing the data first if possible; None (and a message) if not."""
+    if not manifest_path(config.data.cache_dir).is_file():
+        prepare = find_prepare_data()
+        if prepare is None:
+            print(f"error: no manifest in data.cache_dir={config.data.cache_dir!r}; prepare the data first: "
+                  f"python tools/preprocess_data.py --config {config_path}", file=sys.stderr)
+            return None
+        print(f"no manifest in {config.data.cache_dir}: preparing the data first", file=sys.stderr)
+        prepare(config)
+    return load_manifest(config.data.cache_dir)
+
+
+def format_text(report: dict) -> str:
+    lines = [f"first {report['num_samples']:,} training samples of {report['seq_length']} tokens "
+             f"(index {report['index']})", "", "| group | token share | target |", "|---|---|---|"]
+    for group, share in report["group_token_share"].items():
+        lines.append(f"| {group} | {share:.4f} | {report['group_weights'].get(group, 0.0):.4f} |")
+    lines += ["", "| source | group | documents | tokens | train docs | valid docs | weight in group | epochs | token share |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for name, s in report["sources"].items():
+        lines.append(f"| {name} | {s['group']} | {s['documents']:,} | {s['tokens']:,} | {s['train_documents']:,} | "
+                     f"{s['validation_documents']:,} | {s['weight_in_group']:.4f} | {s['epochs']} | "
+                     f"{report['source_token_share'][name]:.4f} |")
+    sample = report["sample"]
+    lines += ["", f"sample 0 ({sample['source']}, {sample['group']}):"]
+    lines.append(sample["text"] if sample.get("text") is not None else f"token ids: {sample['input_ids']}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="run config (YAML)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    parser.add_argument("--num-samples", type=int, default=10_000, help="training samples to measure (default 10000)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    args = parser.parse_args(argv)
+    try:
+        if args.num_samples <= 0:
+            raise ValueError(f"--num-samples={args.num_samples}: must be positive")
+        config = config_lib.load(args.config, args.set)
+        manifest = ensure_manifest(config, args.config)
+        if manifest is None:
+            return 2
+        report = data_report(config, manifest, args.num_samples)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    report["sample"]["text"] = decode_tokens(report["sample"]["input_ids"], config.data.cache_dir, manifest)
+    print(json.dumps(report, indent=2) if args.json else format_text(report), end="\n" if args.json else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
