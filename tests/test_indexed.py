@@ -255,3 +255,15 @@ def test_empty_dataset(tmp_path: Path) -> None:
     ds = IndexedDataset(prefix)
     assert len(ds) == 0 and ds.num_documents == 0 and ds.num_tokens == 0
     assert read_pair(prefix)["doc_idx"] == [0]
+
+
+def test_written_shards_are_readable_by_others(tmp_path) -> None:
+    import stat
+
+    from megatron_lite.data.indexed import IndexedDatasetWriter
+
+    with IndexedDatasetWriter(tmp_path / "shard", "uint16") as writer:
+        writer.add_document([1, 2, 3])
+    for suffix in (".bin", ".idx"):
+        mode = (tmp_path / f"shard{suffix}").stat().st_mode
+        assert mode & stat.S_IRGRP and mode & stat.S_IROTH, oct(mode)

@@ -51,6 +51,12 @@ _INT32_MAX = np.iinfo(np.int32).max
 _COPY_CHUNK = 16 << 20  # bytes per read when merging .bin files
 
 
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 class IndexedDatasetError(ValueError):
     """A .bin/.idx pair that is missing, malformed or inconsistent; the message names the file."""
 
@@ -195,6 +201,10 @@ class IndexedDatasetWriter:
             idx_path, bin_path = index_file_path(self.prefix), data_file_path(self.prefix)
             if os.path.lexists(idx_path):
                 os.unlink(idx_path)
+            # mkstemp creates 0600 files; shards live in caches shared by ranks and users.
+            file_mode = 0o666 & ~_current_umask()
+            os.chmod(self._bin_tmp, file_mode)
+            os.chmod(self._idx_tmp, file_mode)
             os.replace(self._bin_tmp, bin_path)
             os.replace(self._idx_tmp, idx_path)
         except BaseException:

@@ -1,0 +1,246 @@
+"""Document readers, one per mix source type, yielding documents or bad records in a fixed order.
+
+Every reader yields :class:`Document` (text + a location string: ``file:line``, ``file``,
+``file:row N``, ``hub-id[config]:split:row N``) or :class:`BadRecord` (problem, location, detail)
+instead of dropping a record it cannot use: the caller counts, reports or aborts (``--strict``).
+Heavy libraries (datasets, pyarrow) are imported by the readers that need them.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from megatron_lite.data.mix import SourceConfig
+
+# Bad-record problems (a record present in the source that cannot become a document).
+INVALID_JSON = "invalid_json"
+MISSING_FIELD = "missing_field"
+NOT_TEXT = "not_text"  # the field holds a number, list, ... instead of a string
+NON_UTF8 = "non_utf8"
+EMPTY = "empty"  # empty or whitespace-only text
+UNPARSABLE = "unparsable"  # python_docs: a .py file ast cannot parse
+BAD_RECORD_PROBLEMS = (INVALID_JSON, MISSING_FIELD, NOT_TEXT, NON_UTF8, EMPTY, UNPARSABLE)
+
+# Files a directory path stands for, per local source type.
+SUFFIXES: dict[str, tuple[str, ...]] = {
+    "jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz"),
+    "text": (".txt",),
+    "parquet": (".parquet",),
+}
+
+
+@dataclass(frozen=True)
+class Document:
+    text: str
+    location: str
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    problem: str
+    location: str
+    detail: str
+
+    def describe(self) -> str:
+        return f"{self.location}: {self.problem} ({self.detail})"
+
+
+Record = Document | BadRecord
+
+
+def make_record(value: Any, location: str, field: str = "text") -> Record:
+    """Validate one extracted field value: a non-empty, encodable string becomes a Document."""
+    if value is None:
+        return BadRecord(MISSING_FIELD, location, f"field {field!r} is null")
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError as error:
+            return BadRecord(NON_UTF8, location, f"invalid UTF-8 at byte {error.start}")
+    if not isinstance(value, str):
+        return BadRecord(NOT_TEXT, location, f"field {field!r} is a {type(value).__name__}, not a string")
+    try:
+        value.encode("utf-8")  # JSON "\ud800" escapes decode to lone surrogates that cannot be encoded
+    except UnicodeEncodeError as error:
+        return BadRecord(NON_UTF8, location, f"unencodable character at offset {error.start} (lone surrogate)")
+    if not value.strip():
+        return BadRecord(EMPTY, location, "empty text" if not value else "whitespace-only text")
+    return Document(value, location)
+
+
+def expand_paths(path: str, suffixes: tuple[str, ...], name: str) -> list[Path]:
+    """A file, a directory (files with ``suffixes``, recursively) or a glob; sorted for a fixed order."""
+    if glob.has_magic(path):
+        files = [Path(p) for p in glob.glob(path, recursive=True) if os.path.isfile(p)]
+    elif os.path.isdir(path):
+        files = [p for p in Path(path).rglob("*") if p.is_file() and p.name.endswith(suffixes)]
+    elif os.path.isfile(path):
+        files = [Path(path)]
+    else:
+        raise ValueError(f"source {name}: path={path!r} does not exist")
+    if not files:
+        raise ValueError(f"source {name}: path={path!r} matches no files (looked for {', '.join(suffixes)})")
+    return sorted(files)
+
+
+# ----------------------------------------------------------------------------------------------
+# Readers
+
+
+def _open_binary(path: Path) -> BinaryIO:
+    return gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")  # type: ignore[return-value]
+
+
+def read_jsonl(source: SourceConfig, name: str) -> Iterator[Record]:
+    """JSON lines (optionally .gz), one document per line, text in ``text_field``."""
+    field = source.text_field
+    for path in expand_paths(str(source.path), SUFFIXES["jsonl"], name):
+        with _open_binary(path) as handle:
+            for number, raw in enumerate(handle, start=1):
+                location = f"{path}:{number}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    yield BadRecord(NON_UTF8, location, f"invalid UTF-8 at byte {error.start} of the line")
+                    continue
+                if not line.strip():
+                    yield BadRecord(EMPTY, location, "blank line")
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    yield BadRecord(INVALID_JSON, location, error.msg + f" at column {error.colno}")
+                    continue
+                if not isinstance(record, dict):
+                    yield BadRecord(INVALID_JSON, location, f"expected a JSON object, got {type(record).__name__}")
+                elif field not in record:
+                    yield BadRecord(MISSING_FIELD, location, f"no field {field!r} (keys: {', '.join(sorted(record))})")
+                else:
+                    yield make_record(record[field], location, field)
+
+
+def read_text(source: SourceConfig, name: str) -> Iterator[Record]:
+    """Plain-text files, one document per file (directories: every ``*.txt`` below them)."""
+    for path in expand_paths(str(source.path), SUFFIXES["text"], name):
+        yield make_record(path.read_bytes(), str(path))
+
+
+def read_parquet(source: SourceConfig, name: str) -> Iterator[Record]:
+    """Parquet files, one document per row, reading only the text column in batches."""
+    import pyarrow.parquet as pq
+
+    field = source.text_field
+    for path in expand_paths(str(source.path), SUFFIXES["parquet"], name):
+        parquet = pq.ParquetFile(path)
+        columns = parquet.schema_arrow.names
+        if field not in columns:
+            detail = f"no column {field!r} (columns: {', '.join(columns)})"
+            for row in range(parquet.metadata.num_rows):
+                yield BadRecord(MISSING_FIELD, f"{path}:row {row}", detail)
+            continue
+        row = 0
+        for batch in parquet.iter_batches(batch_size=1024, columns=[field]):
+            for value in batch.column(0).to_pylist():
+                yield make_record(value, f"{path}:row {row}", field)
+                row += 1
+
+
+def _is_saved_dataset(path: str) -> bool:
+    """A directory written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
+    return os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json"))
+
+
+def read_hf(source: SourceConfig, name: str) -> Iterator[Record]:
+    """A ``datasets`` hub id, a local copy of a hub repo, or a ``save_to_disk`` directory.
+
+    Hub ids and local repo copies go through the same call,
+    ``load_dataset(path, name, split=..., streaming=..., data_files=...)``; ``save_to_disk``
+    output is not a repo layout, so it is opened with ``load_from_disk`` instead.
+    """
+    import datasets
+
+    path, field = str(source.path), source.text_field
+    if os.path.isdir(path) and _is_saved_dataset(path):
+        dataset: Any = datasets.load_from_disk(path)
+        if isinstance(dataset, datasets.DatasetDict):
+            if source.split not in dataset:
+                raise ValueError(f"source {name}: split={source.split!r} not in {path} (splits: {', '.join(dataset)})")
+            dataset = dataset[source.split]
+        if source.streaming:
+            dataset = dataset.to_iterable_dataset()
+    else:
+        dataset = datasets.load_dataset(
+            path, source.name, split=source.split, streaming=source.streaming, data_files=source.data_files
+        )
+    columns = dataset.column_names  # None for some streaming datasets (features unknown)
+    if columns and field in columns:
+        dataset = dataset.select_columns([field])  # skip decoding unused columns
+    label = path + (f"[{source.name}]" if source.name else "") + f":{source.split}"
+    for row, record in enumerate(dataset):
+        location = f"{label}:row {row}"
+        if field not in record:
+            yield BadRecord(MISSING_FIELD, location, f"no field {field!r} (fields: {', '.join(sorted(record))})")
+        else:
+            yield make_record(record[field], location, field)
+
+
+def _builtin_reader(kind: str) -> Callable[[SourceConfig, str], Iterator[Record]]:
+    from megatron_lite.data import sample_corpus  # imports this module: resolved lazily
+
+    return sample_corpus.read_python_docs if kind == "python_docs" else sample_corpus.read_python_code
+
+
+READERS: dict[str, Callable[[SourceConfig, str], Iterator[Record]]] = {
+    "jsonl": read_jsonl,
+    "text": read_text,
+    "parquet": read_parquet,
+    "hf": read_hf,
+}
+
+
+def read_source(source: SourceConfig, name: str = "source") -> Iterator[Record]:
+    """Documents and bad records of one source in a deterministic order; at most
+    ``max_documents`` documents (bad records do not count towards it)."""
+    reader = READERS.get(source.type) or _builtin_reader(source.type)
+    documents = 0
+    for record in reader(source, name):
+        yield record
+        if isinstance(record, Document):
+            documents += 1
+            if source.max_documents is not None and documents >= source.max_documents:
+                return
+
+
+def input_fingerprint(source: SourceConfig, name: str = "source") -> str:
+    """Cheap change detector for local inputs: sha256 over (path, size, mtime) of every file read.
+
+    Hub datasets cannot be fingerprinted without network access; their id/config/split (part of
+    the source config hash) identify them. The built-in corpus also depends on the Python version.
+    """
+    files: list[Path] = []
+    extra = ""
+    if source.type in ("python_docs", "python_code"):
+        from megatron_lite.data import sample_corpus
+
+        files = sample_corpus.input_files(source)
+        extra = sys.version
+    elif source.type in SUFFIXES:
+        files = expand_paths(str(source.path), SUFFIXES[source.type], name)
+    elif source.type == "hf" and os.path.isdir(str(source.path)):  # a local copy
+        root = Path(str(source.path))
+        files = sorted(p for p in root.rglob("*") if p.is_file() and not any(
+            part.startswith(".") for part in p.relative_to(root).parts))  # skip .cache/, .git/
+    digest = hashlib.sha256(extra.encode())
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
