@@ -1,45 +1,53 @@
 #!/usr/bin/env python
-"""Entry point: python train.py --config FILE [--set KEY=VALUE ...].
+"""Train a GPT with DeepSpeed: deepspeed train.py --config FILE (1..N GPUs, multi-node), or plain
+python train.py --config FILE (one process, CPU or GPU).
 
-Until the DeepSpeed training loop lands (issue: training), this runs the CPU demo trainer
-(megatron_lite/demo.py): byte-level training on Python's own prose, a KV-cache check, and
-greedy generation.
+Everything a run writes goes to --run-dir (default runs/<config name>): config.yml, metrics.jsonl,
+loss_curve.png, checkpoints/, wandb/. Data (tokenizer, shards, sample order) is cached in
+data.cache_dir and built on first use.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
-from megatron_lite import config as config_lib
-from megatron_lite.demo import run_demo
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="example: python train.py --config configs/tiny/coca_slack.yml "
+                                            "--set model.position.constraint=strict --train-iters 100")
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/coca_350m.yml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set train.zero_stage=2 (repeatable)")
+    parser.add_argument("--run-dir", type=Path, default=None, help="output directory (default runs/<config name>)")
+    parser.add_argument("--train-iters", type=int, default=None, help="optimizer steps (overrides train.train_iters)")
+    parser.add_argument("--resume", default="auto", metavar="auto|PATH|none",
+                        help="auto: continue from the run dir's latest complete checkpoint if any (default); "
+                             "PATH: a run or step dir; none: start fresh")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/tiny/coca_slack.yml")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key, e.g. --set model.position.scheme=rope (repeatable)")
-    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--run-dir", type=Path, default=None, help="output directory (default runs/<config name>)")
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
+    from megatron_lite import config as config_lib
+
     try:
         config = config_lib.load(args.config, args.set)
+        from megatron_lite.training.loop import run_training
+
+        run_dir = args.run_dir or Path("runs") / Path(args.config).stem
+        result = run_training(config, run_dir, resume=args.resume, train_iters=args.train_iters)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    run_dir = args.run_dir or Path("runs") / Path(args.config).stem
-    result = run_demo(config, args.steps, args.batch_size, args.lr, run_dir)
-    print(f"loss {result.first_loss:.3f} -> {result.final_loss:.3f} (validation {result.validation_loss:.3f}), "
-          f"{result.tokens_per_sec:,.0f} tokens/s")
-    print(f"KV-cache decoding vs full forward: max |diff| = {result.cache_max_abs_diff:.2e}")
-    print(f"greedy sample: {result.sample!r}")
-    print(f"saved model.safetensors, config.yml, demo_result.json to {run_dir}/")
-    return 0
+    return result.exit_code
 
 
 if __name__ == "__main__":
+    warnings.simplefilter("default")
     sys.exit(main())

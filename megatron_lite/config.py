@@ -21,6 +21,8 @@ from typing import Any, Literal
 
 import yaml
 
+from megatron_lite.training.options import TrainConfig
+
 
 def _doc(help_text: str, **kwargs: Any) -> Any:
     """A dataclass field with its documentation attached."""
@@ -197,6 +199,7 @@ class Config:
 
     model: ModelConfig = _doc("Model architecture; see model.*.", default_factory=ModelConfig)
     data: DataConfig = _doc("Training data; see data.*.", default_factory=DataConfig)
+    train: TrainConfig = _doc("Optimisation, logging and checkpoints; see train.*.", default_factory=TrainConfig)
     precision: Literal["fp32", "bf16", "fp16"] = _doc(
         "Parameter/compute dtype (GPT-NeoX precision).", default="fp32"
     )
@@ -217,7 +220,14 @@ def _describe(value: Any) -> str:
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
     """Check/convert one YAML value against a field annotation; ValueError names the key."""
+    if annotation is Any:  # passthrough blocks (train.deepspeed) are DeepSpeed's to check
+        return value
     origin = typing.get_origin(annotation)
+    if origin is list:
+        (item_type,) = typing.get_args(annotation)
+        if not isinstance(value, list):
+            raise ValueError(f"{key}={_describe(value)}: expected a list")
+        return [_coerce(item, item_type, f"{key}[{index}]") for index, item in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         options = typing.get_args(annotation)
         if value is None and type(None) in options:
@@ -296,6 +306,33 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _validate_train(config: Config) -> None:
+    """Single-field checks of train.*; the batch triple needs the world size (training/deepspeed_config.py)."""
+    train = config.train
+    positive = ["train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "log_interval", "eval_iters",
+                "keep_last_checkpoints", "max_consecutive_nonfinite"]
+    optional = [name for name in ("train_iters", "train_batch_size", "exit_interval") if getattr(train, name) is not None]
+    for name in positive + optional:
+        value = getattr(train, name)
+        _require(value > 0, f"train.{name}={value}: must be positive")
+    for name in ("eval_interval", "save_interval", "num_workers"):
+        _require(getattr(train, name) >= 0, f"train.{name}={getattr(train, name)}: must be >= 0")
+    _require(train.train_epochs > 0, f"train.train_epochs={train.train_epochs}: must be positive")
+    _require(train.zero_stage in (0, 1, 2, 3), f"train.zero_stage={train.zero_stage}: must be 0, 1, 2 or 3")
+    _require(train.lr > 0, f"train.lr={train.lr}: must be positive")
+    _require(0 <= train.min_lr <= train.lr, f"train.min_lr={train.min_lr}: must be in [0, train.lr={train.lr}]")
+    _require(0 <= train.warmup_start_lr <= train.lr,
+             f"train.warmup_start_lr={train.warmup_start_lr}: must be in [0, train.lr={train.lr}]")
+    _require(0 <= train.warmup < 1, f"train.warmup={train.warmup}: must be a fraction in [0, 1)")
+    for name in ("adam_beta1", "adam_beta2"):
+        _require(0 <= getattr(train, name) < 1, f"train.{name}={getattr(train, name)}: must be in [0, 1)")
+    _require(train.adam_eps > 0, f"train.adam_eps={train.adam_eps}: must be positive")
+    _require(train.weight_decay >= 0, f"train.weight_decay={train.weight_decay}: must be >= 0")
+    _require(train.gradient_clipping >= 0, f"train.gradient_clipping={train.gradient_clipping}: must be >= 0")
+    if train.peak_tflops is not None:
+        _require(train.peak_tflops > 0, f"train.peak_tflops={train.peak_tflops}: must be positive")
+
+
 def validate(config: Config) -> Config:
     """Reject impossible combinations; warn about settings that will be ignored."""
     model = config.model
@@ -333,6 +370,7 @@ def validate(config: Config) -> Config:
     _require(data.num_workers >= 1, f"data.num_workers={data.num_workers}: must be >= 1")
     _require(data.tokenizer.sample_chars > 0, f"data.tokenizer.sample_chars={data.tokenizer.sample_chars}: must be positive")
 
+    _validate_train(config)
     position = model.position
     if model.uses_rotary:
         _require(

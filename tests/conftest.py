@@ -50,3 +50,16 @@ def tiny_config(
 @pytest.fixture(autouse=True)
 def _deterministic() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def training_corpus(tmp_path_factory: pytest.TempPathFactory):
+    """(mix file, data cache dir) of a tiny 75/25 corpus, tokenised once per session."""
+    from training_helpers import make_corpus, tiny_train_config
+
+    from megatron_lite.data.preprocess import prepare_data
+
+    root = tmp_path_factory.mktemp("training_corpus")
+    mix, cache = make_corpus(root / "corpus"), root / "cache"
+    prepare_data(config_lib.from_dict(tiny_train_config(mix, cache)), progress=False)
+    return mix, cache

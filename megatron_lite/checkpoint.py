@@ -1,0 +1,205 @@
+"""Where a run keeps its checkpoints, and loading a model from any of them.
+
+Layout written by the training loop (``megatron_lite.training``)::
+
+    <run-dir>/
+      config.yml                         the resolved config of the run
+      checkpoints/
+        latest                           tag of the newest COMPLETE checkpoint (written last)
+        step_00000100/                   one DeepSpeed ``save_checkpoint`` tag directory:
+          mp_rank_00_model_states.pt       DeepSpeed files (model / ZeRO optimizer partitions)
+          *_optim_states.pt
+          config.yml                       the config that produced it
+          tokenizer.model                  the SentencePiece model the data was tokenised with
+          COMPLETE                         marker: every rank finished writing (JSON summary)
+
+A *consolidated* directory holds ``config.yml`` + ``model.safetensors`` (+ ``tokenizer.model``),
+fp32 weights named as ``GPT.state_dict()``; ``save_consolidated`` writes one.
+
+``load_model(path)`` accepts a run dir, a step dir or a consolidated dir.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_lite import config as config_lib
+from megatron_lite.config import Config
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+COMPLETE_MARKER = "COMPLETE"
+CONFIG_FILE = "config.yml"
+TOKENIZER_FILE = "tokenizer.model"
+WEIGHTS_FILE = "model.safetensors"
+_STEP_TAG = re.compile(r"^step_(\d+)$")
+
+
+def step_tag(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def tag_step(tag: str) -> int | None:
+    match = _STEP_TAG.match(tag)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(step_dir: Path) -> bool:
+    return (step_dir / COMPLETE_MARKER).is_file()
+
+
+def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
+    """Complete step directories, oldest first."""
+    if not checkpoints_dir.is_dir():
+        return []
+    found = [(tag_step(p.name), p) for p in checkpoints_dir.iterdir() if p.is_dir() and tag_step(p.name) is not None]
+    return [p for _, p in sorted(found) if is_complete(p)]
+
+
+def latest_complete(checkpoints_dir: Path) -> Path | None:
+    """The step dir named by ``latest`` if complete; otherwise the newest complete one (or None)."""
+    latest = checkpoints_dir / LATEST_FILE
+    if latest.is_file():
+        candidate = checkpoints_dir / latest.read_text().strip()
+        if candidate.is_dir() and is_complete(candidate):
+            return candidate
+    complete = complete_checkpoints(checkpoints_dir)
+    return complete[-1] if complete else None
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
+def checkpoint_kind(path: Path) -> str:
+    """'run' | 'step' | 'consolidated' | 'hf'; ValueError naming the path otherwise."""
+    if (path / CHECKPOINTS_DIR).is_dir():
+        return "run"
+    if (path / WEIGHTS_FILE).is_file() and (path / CONFIG_FILE).is_file():
+        return "consolidated"
+    if list(path.glob("*model_states.pt")):
+        return "step"
+    if (path / "config.json").is_file():
+        return "hf"
+    raise ValueError(f"{path}: not a run dir ({CHECKPOINTS_DIR}/), a step dir (*model_states.pt), "
+                     f"a consolidated dir ({CONFIG_FILE} + {WEIGHTS_FILE}) or a Hugging Face dir (config.json)")
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """A run dir becomes its latest complete step dir; step and consolidated dirs are returned as is."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} does not exist or is not a directory")
+    if checkpoint_kind(path) == "run":
+        found = latest_complete(path / CHECKPOINTS_DIR)
+        if found is None:
+            raise ValueError(f"run {path} has no complete checkpoint in {path / CHECKPOINTS_DIR}")
+        return found
+    return path
+
+
+def _step_dir_config(step_dir: Path) -> Path:
+    for candidate in (step_dir / CONFIG_FILE, step_dir.parent.parent / CONFIG_FILE):
+        if candidate.is_file():
+            return candidate
+    raise ValueError(f"{step_dir}: no {CONFIG_FILE} beside the checkpoint or in its run dir")
+
+
+def _zero_stage(step_dir: Path) -> int:
+    optim_files = sorted(step_dir.glob("*_optim_states.pt"))
+    if not optim_files:
+        return 0
+    state = torch.load(optim_files[0], map_location="cpu", weights_only=False, mmap=True)
+    return int(state.get("optimizer_state_dict", {}).get("zero_stage", 0))
+
+
+def load_step_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
+    """fp32 weights of one DeepSpeed tag dir, any ZeRO stage and world size (DeepSpeed's own utilities)."""
+    if _zero_stage(step_dir) > 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        state = get_fp32_state_dict_from_zero_checkpoint(str(step_dir.parent), tag=step_dir.name)
+    else:
+        files = sorted(step_dir.glob("mp_rank_*_model_states.pt"))
+        if not files:
+            raise ValueError(f"{step_dir}: no mp_rank_*_model_states.pt")
+        # DeepSpeed pickles client state next to the weights, so weights_only cannot be used here.
+        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+
+
+def load_state_dict(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], Config, Path | None]:
+    """(fp32 state dict, config, tokenizer path or None) of a run, step or consolidated dir."""
+    resolved = resolve_checkpoint(path)
+    kind = checkpoint_kind(resolved)
+    if kind == "consolidated":
+        from safetensors.torch import load_file
+
+        state = load_file(str(resolved / WEIGHTS_FILE))
+        config = config_lib.load(resolved / CONFIG_FILE)
+    elif kind == "step":
+        state = load_step_state_dict(resolved)
+        config = config_lib.load(_step_dir_config(resolved))
+    else:
+        raise ValueError(f"{resolved}: a Hugging Face dir; convert it first with tools/convert_checkpoint.py --to megatron_lite")
+    tokenizer = resolved / TOKENIZER_FILE
+    return state, config, tokenizer if tokenizer.is_file() else None
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # megatron_lite.model.GPT, in eval mode
+    config: Config
+    tokenizer_path: Path | None
+    source: Path  # the directory the weights came from
+
+
+def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               overrides: list[str] | None = None) -> LoadedModel:
+    """Build the model a checkpoint describes and load its weights (strict: every tensor must match).
+
+    ``overrides`` are ``--set`` style keys applied to the saved config (e.g. a RoPE scaling or an
+    attention backend for evaluation); they must not change the parameter shapes.
+    """
+    from megatron_lite.model import GPT
+
+    state, config, tokenizer = load_state_dict(path)
+    if overrides:
+        config = config_lib.from_dict(config_lib.apply_overrides(config_lib.to_dict(config), overrides))
+    with torch.device(device):
+        model = GPT(config.model)
+    incompatible = model.load_state_dict(state, strict=False)
+    problems = [f"missing {name}" for name in incompatible.missing_keys]
+    problems += [f"unexpected {name}" for name in incompatible.unexpected_keys]
+    if problems:
+        raise ValueError(f"{path}: checkpoint does not match its config: {', '.join(problems)}")
+    model = model.to(dtype or torch.float32).eval()
+    return LoadedModel(model, config, tokenizer, resolve_checkpoint(path))
+
+
+def save_consolidated(state: dict[str, torch.Tensor], config: Config, out_dir: str | os.PathLike[str],
+                      tokenizer_path: str | os.PathLike[str] | None = None) -> Path:
+    """Write config.yml + model.safetensors (+ tokenizer.model): what ``load_model`` reads back."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in state.items()}, str(out / WEIGHTS_FILE))
+    config_lib.save(config, out / CONFIG_FILE)
+    if tokenizer_path is not None:
+        shutil.copyfile(tokenizer_path, out / TOKENIZER_FILE)
+    return out
+
+
+def read_complete_marker(step_dir: Path) -> dict[str, Any]:
+    return json.loads((step_dir / COMPLETE_MARKER).read_text())

@@ -1,0 +1,155 @@
+"""Saving and resuming training checkpoints (layout: megatron_lite/checkpoint.py).
+
+A checkpoint counts only once it is complete: every rank writes its DeepSpeed files and its RNG
+state, all ranks meet, then rank 0 writes the COMPLETE marker and only then flips ``latest``. A
+crash at any point leaves the previous complete checkpoint as the one ``--resume auto`` finds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_lite import checkpoint as layout
+from megatron_lite import config as config_lib
+from megatron_lite.config import Config
+from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, barrier
+
+# Keys whose change on resume is allowed (with a warning): they do not change tensor shapes.
+SCHEDULE_KEYS = ("train_iters", "train_epochs", "lr", "min_lr", "warmup", "warmup_start_lr", "lr_decay_style")
+
+
+@dataclass
+class TrainingState:
+    """What a checkpoint adds to DeepSpeed's model/optimizer state."""
+
+    step: int = 0  # optimizer steps done
+    consumed_samples: int = 0  # global samples trained on
+    skipped_steps: int = 0  # updates skipped for a non-finite loss
+    total_steps: int = 0  # train_iters when saved
+
+    def to_client_state(self) -> dict[str, Any]:
+        return {"megatron_lite": dict(self.__dict__)}
+
+    @classmethod
+    def from_client_state(cls, client_state: dict[str, Any]) -> TrainingState:
+        return cls(**client_state["megatron_lite"])
+
+
+def _rng_file(step_dir: Path, rank: int) -> Path:
+    return step_dir / f"rng_state_rank{rank:05d}.pt"
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Config, tokenizer_path: Path | None,
+                    dist_info: DistributedInfo, keep_last: int) -> Path | None:
+    """Write one complete checkpoint; None (and the previous one intact) if any rank failed."""
+    checkpoints = run_dir / layout.CHECKPOINTS_DIR
+    tag = layout.step_tag(state.step)
+    step_dir = checkpoints / tag
+    faults = config.train.fault_injection
+    error: Exception | None = None
+    started = time.perf_counter()
+    try:
+        if faults.fail_save_step == state.step:
+            raise OSError(28, f"No space left on device (fault injection at step {state.step})")
+        engine.save_checkpoint(str(checkpoints), tag=tag, client_state=state.to_client_state(), save_latest=False)
+        torch.save(_rng_state(), _rng_file(step_dir, dist_info.rank))
+        if faults.kill_during_save_step == state.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+    except OSError as caught:
+        error = caught
+    failures = all_reduce_sum([0.0 if error is None else 1.0], dist_info.device)[0]
+    if failures:
+        if dist_info.is_main:
+            shutil.rmtree(step_dir, ignore_errors=True)
+            previous = layout.latest_complete(checkpoints)
+            warnings.warn(f"checkpoint at step {state.step} failed on {int(failures)} rank(s)"
+                          f"{f' ({error})' if error else ''}; the last complete checkpoint is "
+                          f"{previous if previous else 'none'}", stacklevel=2)
+        barrier()
+        return None
+    if dist_info.is_main:
+        config_lib.save(config, step_dir / layout.CONFIG_FILE)
+        if tokenizer_path is not None:
+            shutil.copyfile(tokenizer_path, step_dir / layout.TOKENIZER_FILE)
+        marker = {**state.__dict__, "world_size": dist_info.world_size, "zero_stage": config.train.zero_stage,
+                  "precision": config.precision, "seconds": round(time.perf_counter() - started, 3)}
+        layout.write_text_atomic(step_dir / layout.COMPLETE_MARKER, json.dumps(marker, indent=2) + "\n")
+        layout.write_text_atomic(checkpoints / layout.LATEST_FILE, tag + "\n")
+        for old in layout.complete_checkpoints(checkpoints)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return step_dir
+
+
+def find_resume_checkpoint(resume: str, run_dir: Path) -> Path | None:
+    """``auto``: the run dir's latest complete checkpoint (None to start fresh); ``none``; or a path."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return layout.latest_complete(run_dir / layout.CHECKPOINTS_DIR)
+    step_dir = layout.resolve_checkpoint(resume)
+    if not layout.is_complete(step_dir):
+        raise ValueError(f"--resume {resume}: {step_dir} is not a complete checkpoint (no {layout.COMPLETE_MARKER})")
+    return step_dir
+
+
+def _parameter_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+    from megatron_lite.model import GPT
+
+    with torch.device("meta"):
+        return {name: tuple(p.shape) for name, p in GPT(config.model).named_parameters()}
+
+
+def check_resume_compatible(step_dir: Path, config: Config) -> None:
+    """ValueError listing every tensor whose shape differs; warnings for schedule changes."""
+    saved = config_lib.load(step_dir / layout.CONFIG_FILE)
+    old, new = _parameter_shapes(saved), _parameter_shapes(config)
+    names = list(new) + [name for name in old if name not in new]  # model order: embed_in first
+    problems = [f"{name}: checkpoint {old.get(name)} vs config {new.get(name)}"
+                for name in names if old.get(name) != new.get(name)]
+    if problems:
+        raise ValueError(f"cannot resume from {step_dir}: model shape differs from the config "
+                         f"({len(problems)} tensors): " + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
+    if saved.model.position != config.model.position:
+        warnings.warn(f"resuming {step_dir} with a different model.position: {saved.model.position} -> "
+                      f"{config.model.position}", stacklevel=2)
+    for key in SCHEDULE_KEYS:
+        before, after = getattr(saved.train, key), getattr(config.train, key)
+        if before != after:
+            warnings.warn(f"resuming with train.{key} changed from {before} to {after}; the schedule follows the new value",
+                          stacklevel=2)
+
+
+def load_checkpoint(engine: Any, step_dir: Path, dist_info: DistributedInfo) -> TrainingState:
+    """Model, optimizer, counters and this rank's RNG state from a complete checkpoint."""
+    path, client_state = engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name, load_optimizer_states=True,
+                                                load_lr_scheduler_states=False)
+    if path is None or client_state is None:
+        raise ValueError(f"DeepSpeed could not load the checkpoint {step_dir}")
+    state = TrainingState.from_client_state(client_state)
+    rng_file = _rng_file(step_dir, dist_info.rank)
+    if rng_file.is_file():
+        rng = torch.load(rng_file, map_location="cpu", weights_only=True)
+        torch.set_rng_state(rng["torch"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:
+        warnings.warn(f"{rng_file.name} missing (different world size?): RNG streams restart", stacklevel=2)
+    return state

@@ -1,0 +1,322 @@
+"""The training run: data, DeepSpeed engine, the step loop, evaluation, checkpoints, signals.
+
+DeepSpeed stays behind ``deepspeed.initialize`` and the engine's forward/backward/step/save/load;
+``train_step`` is a plain function of (engine, micro batches).
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import DataLoader
+
+from megatron_lite import checkpoint as layout
+from megatron_lite import config as config_lib
+from megatron_lite.config import Config
+from megatron_lite.model import GPT, language_model_loss
+from megatron_lite.model.params import counted_parameter_count
+from megatron_lite.training import metrics as metrics_lib
+from megatron_lite.training.checkpointing import (
+    TrainingState, check_resume_compatible, find_resume_checkpoint, load_checkpoint, save_checkpoint,
+)
+from megatron_lite.training.data import TrainingData, prepare_training_data
+from megatron_lite.training.deepspeed_config import batch_layout, deepspeed_config
+from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, init_distributed
+from megatron_lite.training.optim import build_optimizer
+from megatron_lite.training.schedule import learning_rate
+
+EXIT_OK = 0
+EXIT_NONFINITE = 3
+
+
+@dataclass
+class TrainingResult:
+    run_dir: Path
+    steps: int  # optimizer steps done when the run ended
+    total_steps: int
+    first_loss: float | None  # first logged training loss of this process
+    final_loss: float | None  # last logged training loss
+    val_loss: float | None
+    skipped_steps: int
+    stopped_by: str  # "completed" | "signal" | "exit_interval" | "nonfinite"
+    last_checkpoint: Path | None
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_NONFINITE if self.stopped_by == "nonfinite" else EXIT_OK
+
+
+class StopRequest:
+    """SIGTERM/SIGINT set a flag the loop checks after each step (all ranks agree via all-reduce);
+    a second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def _set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def train_step(engine: Any, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
+               inject_nonfinite: bool = False) -> torch.Tensor:
+    """Forward/backward over one step's micro batches (DeepSpeed accumulates); returns the (local)
+    summed loss of the micro batches, before the optimizer step is taken or skipped by the caller."""
+    losses = []
+    for batch in micro_batches:
+        input_ids = batch["input_ids"].to(device, non_blocking=True)  # (B, T)
+        labels = batch["labels"].to(device, non_blocking=True)  # (B, T), already shifted
+        loss = language_model_loss(engine(input_ids), labels)
+        if inject_nonfinite:
+            loss = loss * float("nan")
+        engine.backward(loss)
+        losses.append(loss.detach())
+        if len(losses) < len(micro_batches):
+            engine.step()  # not a boundary: DeepSpeed only counts the micro step
+    return torch.stack(losses).float().sum()
+
+
+@torch.no_grad()
+def evaluate(engine: Any, loader: DataLoader, num_batches: int, device: torch.device) -> float:
+    """Mean validation loss over ``num_batches`` micro batches per rank, averaged over ranks."""
+    engine.eval()
+    total, count = 0.0, 0
+    for index, batch in enumerate(loader):
+        if index == num_batches:
+            break
+        logits = engine(batch["input_ids"].to(device))  # (B, T, V)
+        total += float(language_model_loss(logits, batch["labels"].to(device)))
+        count += 1
+    engine.train()
+    summed, counted = all_reduce_sum([total, float(count)], device)
+    return summed / max(counted, 1.0)
+
+
+def _micro_batches(iterator: Iterator[dict[str, torch.Tensor]], count: int) -> list[dict[str, torch.Tensor]]:
+    try:
+        return [next(iterator) for _ in range(count)]
+    except StopIteration:  # the index is built for exactly total_steps; running out is a bug
+        raise RuntimeError("training data ran out before the last step") from None
+
+
+class _Throughput:
+    def __init__(self) -> None:
+        self.time = time.perf_counter()
+        self.steps = 0
+
+    def take(self) -> tuple[float, int]:
+        now = time.perf_counter()
+        elapsed, steps = now - self.time, self.steps
+        self.time, self.steps = now, 0
+        return elapsed, steps
+
+
+def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iters: int | None = None) -> TrainingResult:
+    """Train ``config`` into ``run_dir``; see README "Training" for everything it writes."""
+    import deepspeed
+
+    dist_info = init_distributed()
+    layout_ = batch_layout(config, dist_info.world_size)  # ValueError before any work
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data = prepare_training_data(config, dist_info, train_iters)
+    config.train.train_iters = data.total_steps  # resolved, so checkpoints record it
+    if dist_info.is_main:
+        config_lib.save(config, run_dir / layout.CONFIG_FILE)
+
+    resume_dir = find_resume_checkpoint(resume, run_dir)
+    if resume_dir is not None:
+        check_resume_compatible(resume_dir, config)
+    torch.manual_seed(config.seed)
+    with torch.device(dist_info.device):
+        model = GPT(config.model)  # fp32 master weights; DeepSpeed casts for bf16/fp16
+    optimizer = build_optimizer(model, config.train)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                      config=deepspeed_config(config, dist_info.world_size))
+    state = TrainingState(total_steps=data.total_steps)
+    if resume_dir is not None:
+        state = load_checkpoint(engine, resume_dir, dist_info)
+        state.total_steps = data.total_steps
+    train_loader, valid_loader = data.loaders(config, dist_info, state.consumed_samples)
+
+    logger = metrics_lib.MetricsLogger(config, run_dir, enabled=dist_info.is_main)
+    flops_per_step = metrics_lib.model_flops_per_token(config.model) * layout_.global_batch_size * config.model.seq_length
+    peak = metrics_lib.peak_tflops(config)
+    if dist_info.is_main:
+        metrics_lib.console(
+            f"model: {counted_parameter_count(config.model):,} parameters, scheme {config.model.position.scheme}"
+            f"{' ' + config.model.position.constraint if config.model.position.scheme == 'coca' else ''}, "
+            f"precision {config.precision}, ZeRO {config.train.zero_stage}, {dist_info.world_size} rank(s) on "
+            f"{dist_info.device.type}; batch {layout_.global_batch_size} = {layout_.micro_batch_size} x "
+            f"{layout_.gradient_accumulation_steps} x {layout_.data_parallel_size}; {data.total_steps} steps "
+            f"({data.steps_source}); run dir {run_dir}"
+            + (f"; resumed from {resume_dir} at step {state.step}" if resume_dir else ""))
+
+    result = TrainingResult(run_dir, state.step, data.total_steps, None, None, None, state.skipped_steps, "completed",
+                            resume_dir)
+    train = config.train
+    injected = set(train.fault_injection.nonfinite_loss_steps)
+    consecutive_nonfinite = 0
+    window_loss, window_steps = 0.0, 0
+    throughput = _Throughput()
+    iterator = iter(train_loader)
+    progress = _progress_bar(dist_info, state.step, data.total_steps)
+    with StopRequest() as stop:
+        while state.step < data.total_steps:
+            lr = learning_rate(state.step, data.total_steps, train)
+            _set_learning_rate(optimizer, lr)
+            micro = _micro_batches(iterator, layout_.gradient_accumulation_steps)
+            local_loss = train_step(engine, micro, dist_info.device, inject_nonfinite=(state.step + 1) in injected)
+            local_finite = float(torch.isfinite(local_loss))
+            loss_sum, finite_ranks, stop_ranks = all_reduce_sum(
+                [float(local_loss) if local_finite else 0.0, local_finite, float(stop.signal_name is not None)],
+                dist_info.device)
+            skip = finite_ranks < dist_info.world_size
+            log_now = (state.step + 1) % train.log_interval == 0 or state.step == 0
+            own_grad_norm = _grad_norm(engine) if log_now and not skip and _deepspeed_skips_grad_norm(config) else None
+            optimizer.skip_next_step = skip
+            engine.step()  # the accumulation boundary: optimizer step (or skipped update) + zero grads
+            state.step += 1
+            state.consumed_samples += layout_.global_batch_size
+            throughput.steps += 1
+            progress.update(1)
+            if skip:
+                state.skipped_steps += 1
+                consecutive_nonfinite += 1
+                logger.log({"step": state.step, "loss": None, "nonfinite_loss": True, "skipped_steps": state.skipped_steps})
+                if dist_info.is_main:
+                    metrics_lib.console(f"step {state.step}: non-finite loss, update skipped "
+                                        f"({consecutive_nonfinite} in a row, {state.skipped_steps} in total)")
+                if consecutive_nonfinite >= train.max_consecutive_nonfinite:
+                    last_good = layout.latest_complete(run_dir / layout.CHECKPOINTS_DIR)
+                    if dist_info.is_main:
+                        metrics_lib.console(
+                            f"stopping: {consecutive_nonfinite} consecutive non-finite losses, the last at step "
+                            f"{state.step}; last good checkpoint: {last_good or 'none'} "
+                            f"(resume with --resume {last_good} after fixing the cause, e.g. a lower train.lr)")
+                    result.stopped_by, result.last_checkpoint = "nonfinite", last_good
+                    break
+            else:
+                consecutive_nonfinite = 0
+                mean_loss = loss_sum / (dist_info.world_size * layout_.gradient_accumulation_steps)
+                window_loss += mean_loss
+                window_steps += 1
+                progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", refresh=False)
+            if window_steps and log_now:
+                row = _train_row(engine, state, window_loss / window_steps, lr, throughput, flops_per_step, peak,
+                                 layout_.global_batch_size * config.model.seq_length, own_grad_norm)
+                logger.log(row)
+                if dist_info.is_main:
+                    metrics_lib.console(metrics_lib.format_row(row, data.total_steps))
+                result.first_loss = row["loss"] if result.first_loss is None else result.first_loss
+                result.final_loss = row["loss"]
+                window_loss, window_steps = 0.0, 0
+            last = state.step == data.total_steps
+            exit_now = bool(train.exit_interval) and state.step % train.exit_interval == 0 and not last
+            stopping = stop_ranks > 0 or exit_now
+            if valid_loader is not None and train.eval_interval and (state.step % train.eval_interval == 0 or last):
+                result.val_loss = _run_eval(engine, valid_loader, train.eval_iters, dist_info, logger, state.step,
+                                            data.total_steps)
+            if (train.save_interval and state.step % train.save_interval == 0) or last or stopping:
+                saved = save_checkpoint(engine, run_dir, state, config, data.tokenizer_path, dist_info,
+                                        train.keep_last_checkpoints)
+                result.last_checkpoint = saved or result.last_checkpoint
+                if saved and dist_info.is_main:
+                    metrics_lib.console(f"saved checkpoint {saved}")
+            if stopping:
+                reason = "train.exit_interval" if exit_now else stop.signal_name or "a signal on another rank"
+                if dist_info.is_main:
+                    metrics_lib.console(f"stopped by {reason} at step {state.step}; resume with --resume auto")
+                result.stopped_by = "exit_interval" if exit_now else "signal"
+                break
+    progress.close()
+    logger.close()
+    result.steps, result.skipped_steps = state.step, state.skipped_steps
+    if dist_info.is_main:
+        curve = metrics_lib.plot_loss_curve(logger.path, run_dir / "loss_curve.png", f"{run_dir.name}: loss")
+        _print_summary(result, run_dir, curve)
+    return result
+
+
+def _progress_bar(dist_info: DistributedInfo, start: int, total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", disable=not dist_info.is_main,
+                dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
+
+
+def _deepspeed_skips_grad_norm(config: Config) -> bool:
+    """DeepSpeed clips fp32 ZeRO-0 gradients without keeping the norm (get_global_grad_norm() is None)."""
+    return config.train.zero_stage == 0 and config.precision == "fp32"
+
+
+def _grad_norm(engine: Any) -> float:
+    """Global L2 norm of the accumulated gradients (ZeRO 0: every rank holds all of them after the reduce)."""
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+
+def _train_row(engine: Any, state: TrainingState, loss: float, lr: float, throughput: _Throughput,
+               flops_per_step: float, peak: float | None, tokens_per_step: int,
+               own_grad_norm: float | None) -> dict[str, Any]:
+    elapsed, steps = throughput.take()
+    grad_norm = own_grad_norm if own_grad_norm is not None else engine.get_global_grad_norm()
+    tflops = flops_per_step * steps / max(elapsed, 1e-9) / 1e12 / max(engine.world_size, 1)  # per device
+    return {
+        "step": state.step, "loss": loss, "lr": lr,
+        "grad_norm": float(grad_norm) if grad_norm is not None else None,
+        "tokens_per_sec": tokens_per_step * steps / max(elapsed, 1e-9),
+        "tflops": tflops, "mfu": tflops / peak if peak else None,
+        "memory_gb": metrics_lib.memory_gb(), "skipped_steps": state.skipped_steps,
+        "consumed_samples": state.consumed_samples,
+    }
+
+
+def _run_eval(engine: Any, loader: DataLoader, eval_iters: int, dist_info: DistributedInfo,
+              logger: metrics_lib.MetricsLogger, step: int, total_steps: int) -> float:
+    val_loss = evaluate(engine, loader, eval_iters, dist_info.device)
+    row = {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+    logger.log(row)
+    if dist_info.is_main:
+        metrics_lib.console(metrics_lib.format_row(row, total_steps))
+    return val_loss
+
+
+def _print_summary(result: TrainingResult, run_dir: Path, curve: Path | None) -> None:
+    def fmt(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.4f}"
+
+    lines = [
+        f"done: {result.stopped_by} at step {result.steps}/{result.total_steps}; loss {fmt(result.first_loss)} -> "
+        f"{fmt(result.final_loss)}; validation loss {fmt(result.val_loss)}; skipped updates {result.skipped_steps}",
+        f"  checkpoint  {result.last_checkpoint or 'none'}",
+        f"  metrics     {run_dir / 'metrics.jsonl'}",
+        f"  config      {run_dir / layout.CONFIG_FILE}",
+    ]
+    if curve is not None:
+        lines.append(f"  loss curve  {curve}")
+    if (run_dir / "wandb").is_dir():
+        lines.append(f"  wandb       {run_dir / 'wandb'}")
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,156 @@
+"""What a run reports: console lines, <run-dir>/metrics.jsonl, wandb, and the loss-curve PNG.
+
+Only rank 0 logs. FLOPs follow the PaLM appendix convention: 6·N per token for the matmuls
+(N = parameters except the input embedding, a lookup) plus 12·layers·hidden·seq_length for attention
+scores; activation recomputation is not counted (that is MFU, not hardware FLOPs).
+"""
+
+from __future__ import annotations
+
+import json
+import netrc
+import os
+import resource
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_lite.config import Config, ModelConfig
+from megatron_lite.model.params import analytic_parameter_count
+
+# Dense bf16/fp16 tensor-core peaks (TFLOP/s) by device-name substring.
+KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "V100": 125.0}
+
+
+def model_flops_per_token(model: ModelConfig) -> float:
+    """Training (forward + backward) FLOPs per token."""
+    matmul_params = analytic_parameter_count(model) - model.padded_vocab_size * model.hidden_size
+    return 6.0 * matmul_params + 12.0 * model.num_layers * model.hidden_size * model.seq_length
+
+
+def peak_tflops(config: Config) -> float | None:
+    if config.train.peak_tflops is not None:
+        return config.train.peak_tflops
+    if torch.cuda.is_available() and config.precision in ("bf16", "fp16"):
+        name = torch.cuda.get_device_name()
+        return next((value for key, value in KNOWN_PEAK_TFLOPS.items() if key in name), None)
+    return None
+
+
+def memory_gb() -> float:
+    """Peak device memory (GPU) or peak resident set (CPU) of this process, GB."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 1e9
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: kilobytes
+    return peak_kb / 1e6
+
+
+def _wandb_has_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+class MetricsLogger:
+    """metrics.jsonl rows (+ wandb) on rank 0; a no-op elsewhere."""
+
+    def __init__(self, config: Config, run_dir: Path, enabled: bool) -> None:
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.run_dir = run_dir
+        self._wandb: Any = None
+        if enabled:
+            self._wandb = self._start_wandb(config, run_dir)
+
+    @staticmethod
+    def _start_wandb(config: Config, run_dir: Path) -> Any:
+        settings = config.train.wandb
+        mode = settings.mode
+        if mode == "disabled":
+            return None
+        if mode == "online" and not _wandb_has_key():
+            warnings.warn("train.wandb.mode=online but no WANDB_API_KEY or `wandb login`: logging offline instead",
+                          stacklevel=2)
+            mode = "offline"
+        os.environ.setdefault("WANDB_SILENT", "true")
+        try:
+            import wandb
+
+            from megatron_lite.config import to_dict
+
+            return wandb.init(project=settings.project, entity=settings.entity, name=settings.name or run_dir.name,
+                              tags=settings.tags, mode=mode, dir=str(run_dir), config=to_dict(config),
+                              settings=wandb.Settings(console="off", init_timeout=60))
+        except Exception as error:  # logging must never stop training
+            warnings.warn(f"wandb disabled: {type(error).__name__}: {error}", stacklevel=2)
+            return None
+
+    def log(self, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        with self.path.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_loss_curve(metrics_path: Path, out_path: Path, title: str) -> Path | None:
+    """Training and validation loss against step; None if there is nothing to plot."""
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
+    valid = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+    if not train and not valid:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    if train:
+        axes.plot(*zip(*train), label="train loss")
+    if valid:
+        axes.plot(*zip(*valid), "o-", label="validation loss")
+    axes.set_xlabel("step")
+    axes.set_ylabel("loss (nats/token)")
+    axes.set_title(title)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(out_path, dpi=120)
+    plt.close(figure)
+    return out_path
+
+
+def format_row(row: dict[str, Any], total_steps: int) -> str:
+    parts = [f"step {row['step']}/{total_steps}"]
+    for key, fmt in (("loss", "loss {:.4f}"), ("lr", "lr {:.3e}"), ("grad_norm", "grad_norm {:.3f}"),
+                     ("tokens_per_sec", "{:,.0f} tok/s"), ("tflops", "{:.1f} TFLOP/s"), ("mfu", "MFU {:.1%}"),
+                     ("memory_gb", "mem {:.2f} GB"), ("skipped_steps", "skipped {}"), ("val_loss", "val_loss {:.4f}"),
+                     ("val_ppl", "val_ppl {:.2f}")):
+        if row.get(key) is not None:
+            parts.append(fmt.format(row[key]))
+    return " | ".join(parts)
+
+
+def console(message: str) -> None:
+    from tqdm import tqdm
+
+    tqdm.write(message, file=sys.stdout)

@@ -1,0 +1,178 @@
+"""The real training loop end to end: train.py under plain python and under the deepspeed launcher
+(2 CPU ranks), exact resume, crashes mid-save, SIGTERM, non-finite losses, failed saves."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lite import checkpoint as layout
+from training_helpers import metrics, run_train, tiny_train_config, train_command, train_losses, write_config
+
+
+def weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    return layout.load_step_state_dict(step_dir)
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"tensors differ: {different}"
+
+
+@pytest.fixture(scope="module")
+def baseline(training_corpus, tmp_path_factory) -> Path:
+    """8 uninterrupted steps (checkpoints at 4 and 8), wandb offline."""
+    mix, cache = training_corpus
+    root = tmp_path_factory.mktemp("baseline")
+    config = write_config(root / "config.yml", tiny_train_config(mix, cache, wandb={"mode": "offline"}))
+    run_train(config, root / "run")
+    return root / "run"
+
+
+def test_run_trains_and_writes_everything(baseline: Path) -> None:
+    losses = train_losses(baseline)
+    assert sorted(losses) == list(range(1, 9))
+    assert losses[8] < 0.85 * losses[1]
+    rows = metrics(baseline)
+    train_row = next(r for r in rows if r.get("loss") is not None)
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "memory_gb"):
+        assert train_row[key] is not None, key
+    assert [r["step"] for r in rows if "val_loss" in r] == [4, 8]
+    assert (baseline / "loss_curve.png").stat().st_size > 1000
+    assert (baseline / "wandb").is_dir()  # offline wandb files, no prompt, no network
+    checkpoints = baseline / layout.CHECKPOINTS_DIR
+    assert (checkpoints / layout.LATEST_FILE).read_text().strip() == "step_00000008"
+    assert [p.name for p in layout.complete_checkpoints(checkpoints)] == ["step_00000004", "step_00000008"]
+    marker = layout.read_complete_marker(checkpoints / "step_00000008")
+    assert marker["step"] == 8 and marker["consumed_samples"] == 64
+    loaded = layout.load_model(baseline)  # what evaluation and conversion read
+    assert loaded.tokenizer_path is not None and loaded.config.model.hidden_size == 64
+
+
+def test_exact_resume_single_rank(training_corpus, baseline: Path, tmp_path: Path) -> None:
+    mix, cache = training_corpus
+    config = write_config(tmp_path / "config.yml", tiny_train_config(mix, cache, exit_interval=4))
+    first = run_train(config, tmp_path / "run")
+    assert "stopped by train.exit_interval at step 4" in first.stdout
+    second = run_train(config, tmp_path / "run")
+    assert "resumed from" in second.stdout and "step_00000004" in second.stdout
+    assert train_losses(tmp_path / "run") == train_losses(baseline)  # the same trace, exactly
+    assert_bitwise_equal(weights(tmp_path / "run/checkpoints/step_00000008"), weights(baseline / "checkpoints/step_00000008"))
+
+
+def test_two_ranks_zero2_trains_and_resumes_exactly(training_corpus, tmp_path: Path) -> None:
+    mix, cache = training_corpus
+    common = {"zero_stage": 2, "gradient_accumulation_steps": 1}
+    straight = write_config(tmp_path / "straight.yml", tiny_train_config(mix, cache, **common))
+    run_train(straight, tmp_path / "straight", ranks=2)
+    losses = train_losses(tmp_path / "straight")
+    assert losses[8] < 0.85 * losses[1]
+    stepped = write_config(tmp_path / "stepped.yml", tiny_train_config(mix, cache, exit_interval=4, **common))
+    run_train(stepped, tmp_path / "stepped", ranks=2)
+    second = run_train(stepped, tmp_path / "stepped", ranks=2)
+    assert "resumed from" in second.stdout
+    assert train_losses(tmp_path / "stepped") == losses
+    step_dir = tmp_path / "stepped/checkpoints/step_00000008"
+    assert len(list(step_dir.glob("zero_pp_rank_*_optim_states.pt"))) == 2  # ZeRO-2 partitions, one per rank
+    assert_bitwise_equal(weights(step_dir), weights(tmp_path / "straight/checkpoints/step_00000008"))
+
+
+def test_sigkill_while_saving_resumes_from_previous_checkpoint(training_corpus, baseline: Path, tmp_path: Path) -> None:
+    mix, cache = training_corpus
+    config = write_config(tmp_path / "config.yml",
+                          tiny_train_config(mix, cache, fault_injection={"kill_during_save_step": 8}))
+    crashed = run_train(config, tmp_path / "run", check=False)
+    assert crashed.returncode == -signal.SIGKILL
+    checkpoints = tmp_path / "run" / layout.CHECKPOINTS_DIR
+    assert (checkpoints / "step_00000008").is_dir() and not layout.is_complete(checkpoints / "step_00000008")
+    assert layout.latest_complete(checkpoints) == checkpoints / "step_00000004"
+    resumed = run_train(write_config(tmp_path / "config.yml", tiny_train_config(mix, cache)), tmp_path / "run")
+    assert "step_00000004" in resumed.stdout and "resumed from" in resumed.stdout
+    assert_bitwise_equal(weights(checkpoints / "step_00000008"), weights(baseline / "checkpoints/step_00000008"))
+
+
+def test_sigterm_writes_a_final_checkpoint(training_corpus, tmp_path: Path) -> None:
+    mix, cache = training_corpus
+    config = write_config(tmp_path / "config.yml", tiny_train_config(mix, cache, train_iters=5000, save_interval=0,
+                                                                     eval_interval=0))
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(train_command(config, run_dir), text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 3):
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 0, output[-3000:]
+    assert "stopped by SIGTERM" in output
+    final = layout.latest_complete(run_dir / layout.CHECKPOINTS_DIR)
+    assert final is not None
+    step = layout.read_complete_marker(final)["step"]
+    assert 3 <= step < 5000 and final.name == layout.step_tag(step)
+
+
+def test_nonfinite_loss_is_skipped_and_counted(training_corpus, tmp_path: Path) -> None:
+    mix, cache = training_corpus
+    config = write_config(tmp_path / "config.yml",
+                          tiny_train_config(mix, cache, fault_injection={"nonfinite_loss_steps": [3]}))
+    result = run_train(config, tmp_path / "run")
+    rows = metrics(tmp_path / "run")
+    assert any(r["step"] == 3 and r.get("nonfinite_loss") for r in rows)
+    assert rows[-1]["step"] == 8 and "skipped updates 1" in result.stdout
+    assert layout.read_complete_marker(tmp_path / "run/checkpoints/step_00000008")["skipped_steps"] == 1
+    assert 3 not in train_losses(tmp_path / "run")
+
+
+def test_consecutive_nonfinite_losses_stop_the_run(training_corpus, tmp_path: Path) -> None:
+    mix, cache = training_corpus
+    config = write_config(tmp_path / "config.yml", tiny_train_config(
+        mix, cache, max_consecutive_nonfinite=3, fault_injection={"nonfinite_loss_steps": [5, 6, 7]}))
+    result = run_train(config, tmp_path / "run", check=False)
+    assert result.returncode == 3
+    assert "3 consecutive non-finite losses, the last at step 7" in result.stdout
+    assert "last good checkpoint: " in result.stdout and "step_00000004" in result.stdout
+
+
+def test_failed_save_is_reported_and_previous_checkpoint_kept(training_corpus, tmp_path: Path) -> None:
+    mix, cache = training_corpus
+    config = write_config(tmp_path / "config.yml", tiny_train_config(mix, cache, fault_injection={"fail_save_step": 8}))
+    result = run_train(config, tmp_path / "run")
+    assert "checkpoint at step 8 failed" in result.stderr and "No space left on device" in result.stderr
+    checkpoints = tmp_path / "run" / layout.CHECKPOINTS_DIR
+    assert not (checkpoints / "step_00000008").exists()
+    assert layout.latest_complete(checkpoints) == checkpoints / "step_00000004"
+
+
+def test_resume_with_another_model_shape_is_a_clear_error(training_corpus, baseline: Path, tmp_path: Path) -> None:
+    mix, cache = training_corpus
+    wider = tiny_train_config(mix, cache)
+    wider["model"]["hidden_size"] = 128
+    result = run_train(write_config(tmp_path / "config.yml", wider), tmp_path / "run", "--resume", str(baseline),
+                       check=False)
+    assert result.returncode == 2
+    assert "cannot resume from" in result.stderr and "model shape differs" in result.stderr
+    assert "embed_in.weight: checkpoint (384, 64) vs config (384, 128)" in result.stderr
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"train": {"train_batch_size": 10}}, "train.train_batch_size=10 != train.train_micro_batch_size_per_gpu=4 x "
+                                          "train.gradient_accumulation_steps=2 x 1 data-parallel ranks = 8"),
+    ({"train": {"learning_rate": 1}}, "unknown config key train.learning_rate"),
+    ({"data": {"mix": "/nonexistent/mix.yml"}}, "/nonexistent/mix.yml"),
+])
+def test_config_errors_are_one_line(training_corpus, tmp_path: Path, change: dict, expected: str) -> None:
+    mix, cache = training_corpus
+    data = tiny_train_config(mix, cache)
+    for section, values in change.items():
+        data[section].update(values)
+    result = run_train(write_config(tmp_path / "config.yml", data), tmp_path / "run", check=False)
+    assert result.returncode == 2
+    error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error_lines) == 1 and expected in error_lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,121 @@
+"""The paper's learning-rate schedule, weight-decay groups and the DeepSpeed batch triple."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_lite import config as config_lib
+from megatron_lite.model import GPT
+from megatron_lite.training.deepspeed_config import batch_layout, deepspeed_config
+from megatron_lite.training.optim import SkippableAdamW, build_optimizer, weight_decay_groups
+from megatron_lite.training.options import TrainConfig
+from megatron_lite.training.schedule import learning_rate, warmup_steps
+
+from conftest import tiny_config
+
+
+def paper_lr(step: int, total: int) -> float:
+    """Paper section 4, written out independently: 1% linear warm-up 1e-7 -> 1e-4, linear decay to 1e-5."""
+    warmup = round(0.01 * total)
+    if step <= warmup:
+        return 1e-7 + (1e-4 - 1e-7) * step / warmup
+    return 1e-4 - (1e-4 - 1e-5) * (step - warmup) / (total - 1 - warmup)
+
+
+@pytest.mark.parametrize("total", [1000, 12_345, 390_000])
+def test_paper_schedule_at_key_steps(total: int) -> None:
+    train = TrainConfig()  # defaults are the paper's
+    warmup = warmup_steps(train, total)
+    assert warmup == round(0.01 * total)
+    middle = warmup + (total - 1 - warmup) // 2
+    for step, expected in [(0, 1e-7), (warmup, 1e-4), (total - 1, 1e-5)]:
+        assert learning_rate(step, total, train) == pytest.approx(expected, rel=1e-12, abs=1e-18)
+    for step in (0, warmup // 2, warmup, middle, total - 1):
+        assert learning_rate(step, total, train) == pytest.approx(paper_lr(step, total), rel=1e-12)
+    assert learning_rate(middle, total, train) == pytest.approx((1e-4 + 1e-5) / 2, rel=2 / total)
+
+
+def test_schedule_rejects_steps_outside_the_run() -> None:
+    with pytest.raises(ValueError, match="step=10"):
+        learning_rate(10, 10, TrainConfig())
+
+
+def test_weight_decay_only_on_matrices() -> None:
+    model = GPT(tiny_config("coca").model)
+    decay, no_decay = weight_decay_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert "embed_in.weight" in decay["param_names"] and "lm_head.weight" in decay["param_names"]
+    assert "layers.0.attention.query_key_value.weight" in decay["param_names"]
+    assert "layers.0.attention.query_key_value.bias" in no_decay["param_names"]
+    assert "layers.0.input_layernorm.weight" in no_decay["param_names"]
+    assert "final_layer_norm.bias" in no_decay["param_names"]
+    counted = sum(p.numel() for p in decay["params"]) + sum(p.numel() for p in no_decay["params"])
+    assert counted == sum(p.numel() for p in model.parameters())
+
+
+def test_skipped_step_leaves_weights_and_moments_untouched() -> None:
+    model = torch.nn.Linear(4, 4)
+    optimizer = build_optimizer(model, TrainConfig(lr=0.1))
+    assert isinstance(optimizer, SkippableAdamW)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    moments = [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()]
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.skip_next_step = True
+    optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(m, optimizer.state[p]["exp_avg"]) for m, p in zip(moments, model.parameters()))
+    assert not optimizer.skip_next_step  # one step only
+    optimizer.step()
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def _config(**train: object) -> config_lib.Config:
+    return config_lib.from_dict({"model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2},
+                                 "train": train})
+
+
+def test_batch_triple_consistent_and_derived() -> None:
+    config = _config(train_batch_size=256, train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=2)
+    assert batch_layout(config, 8).global_batch_size == 256
+    generated = deepspeed_config(config, 8)
+    assert (generated["train_batch_size"], generated["train_micro_batch_size_per_gpu"],
+            generated["gradient_accumulation_steps"]) == (256, 16, 2)
+    assert batch_layout(_config(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=3), 2).global_batch_size == 24
+
+
+def test_inconsistent_batch_triple_names_all_three() -> None:
+    config = _config(train_batch_size=256, train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=2)
+    with pytest.raises(ValueError) as error:
+        batch_layout(config, 4)
+    message = str(error.value)
+    for part in ("train.train_batch_size=256", "train_micro_batch_size_per_gpu=16", "gradient_accumulation_steps=2",
+                 "4 data-parallel ranks"):
+        assert part in message
+
+
+def test_deepspeed_config_precision_zero_and_passthrough() -> None:
+    config = config_lib.from_dict({"precision": "bf16", "train": {"zero_stage": 3, "gradient_clipping": 0.5,
+                                                                  "deepspeed": {"zero_optimization": {"overlap_comm": True},
+                                                                                "wall_clock_breakdown": True}}})
+    generated = deepspeed_config(config, 1)
+    assert generated["bf16"] == {"enabled": True} and "fp16" not in generated
+    assert generated["zero_optimization"] == {"stage": 3, "overlap_comm": True}
+    assert generated["gradient_clipping"] == 0.5 and generated["wall_clock_breakdown"] is True
+    fp16 = deepspeed_config(config_lib.from_dict({"precision": "fp16"}), 1)["fp16"]
+    assert fp16["enabled"] and fp16["loss_scale"] == 0  # 0 = dynamic loss scaling
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.zero_stage=4", "train.zero_stage=4"),
+    ("train.min_lr=1.0", "train.min_lr=1.0"),
+    ("train.warmup=1.5", "train.warmup=1.5"),
+    ("train.gradient_clip=1", "did you mean train.gradient_clipping"),
+    ("train.wandb.mode=loud", "train.wandb.mode='loud'"),
+])
+def test_train_config_errors_name_the_key(override: str, key: str) -> None:
+    with pytest.raises(ValueError, match=key.replace(".", r"\.").replace("(", r"\(")):
+        config_lib.from_dict(config_lib.apply_overrides({}, [override]))
