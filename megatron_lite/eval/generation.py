@@ -6,6 +6,8 @@ the dynamic-NTK base, so cached keys and new queries always share one base (HF i
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from megatron_lite.model.gpt import GPT
@@ -71,3 +73,37 @@ def generate(
             break
     model.train(was_training)
     return torch.cat(tokens, dim=1)
+
+
+def generate_text(
+    model: GPT,
+    tokenizer: Any,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_samples: int = 1,
+    seed: int | None = None,
+) -> list[str]:
+    """Continuations of ``prompt`` (text only, prompt excluded), ending at the tokenizer's EOD.
+
+    ``tokenizer`` needs encode/decode/eod_id (megatron_lite.data.tokenizer.Tokenizer). An empty
+    prompt starts from EOD, the separator every training document follows.
+    """
+    if num_samples < 1:
+        raise ValueError(f"num_samples={num_samples}: must be >= 1")
+    device = next(model.parameters()).device
+    prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eod_id]
+    ids_BT = torch.tensor([prompt_ids] * num_samples, dtype=torch.long, device=device)
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+    out_BT = generate(model, ids_BT, max_new_tokens, temperature, top_k, top_p, tokenizer.eod_id, generator)
+    texts = []
+    for row in out_BT[:, len(prompt_ids) :].tolist():
+        if tokenizer.eod_id in row:
+            row = row[: row.index(tokenizer.eod_id)]
+        texts.append(tokenizer.decode(row))
+    return texts

@@ -1,0 +1,99 @@
+"""Evaluation documents (PG-19 style books): read, clean, tokenise, keep the long ones, truncate.
+
+``--ppl-docs`` is a directory of .txt books (one book per file), a directory or file of parquet
+(one book per row, column ``text``), a single .txt file, or a Hugging Face hub id read with
+``datasets`` (split ``test``; e.g. ``emozilla/pg19-test``, the parquet copy of the PG-19 test set;
+``pg19`` / ``deepmind/pg19`` where the installed ``datasets`` still runs loading scripts).
+Reading reuses the data pipeline's readers and cleaning (newline normalisation, optional
+Project Gutenberg header/footer stripping).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megatron_lite.data.cleaning import Cleaner
+from megatron_lite.data.mix import SourceConfig
+from megatron_lite.data.sources import BadRecord, read_source
+from megatron_lite.data.tokenizer import Tokenizer
+
+
+@dataclass
+class EvalDocuments:
+    source: str
+    max_doc_tokens: int
+    names: list[str] = field(default_factory=list)
+    token_ids: list[torch.Tensor] = field(default_factory=list)  # each (max_doc_tokens,) int64
+    num_read: int = 0
+    num_too_short: int = 0  # fewer than max_doc_tokens tokens: skipped (reported)
+    num_bad: int = 0  # unreadable records (empty, not UTF-8, ...)
+
+    def summary(self) -> str:
+        return (f"{len(self.token_ids)} of {self.num_read} documents from {self.source} have >= "
+                f"{self.max_doc_tokens:,} tokens and are used (truncated to {self.max_doc_tokens:,}); "
+                f"{self.num_too_short} shorter ones skipped" + (f", {self.num_bad} unreadable" if self.num_bad else ""))
+
+
+def source_for(spec: str, split: str = "test", text_field: str = "text", strip_gutenberg: bool = False,
+               max_documents: int | None = None) -> SourceConfig:
+    """The data-pipeline source a ``--ppl-docs`` value stands for."""
+    path = Path(spec)
+    common = dict(path=spec, text_field=text_field, strip_gutenberg=strip_gutenberg, normalize_newlines=True,
+                  deduplicate=False, min_chars=1, max_documents=max_documents)
+    if path.is_dir():
+        if any(path.rglob("*.parquet")):
+            return SourceConfig(type="parquet", **common)  # type: ignore[arg-type]
+        if any(path.rglob("*.txt")):
+            return SourceConfig(type="text", **common)  # type: ignore[arg-type]
+        if (path / "dataset_info.json").is_file() or (path / "state.json").is_file() \
+                or (path / "dataset_dict.json").is_file():
+            return SourceConfig(type="hf", split=split, **common)  # type: ignore[arg-type]
+        raise ValueError(f"--ppl-docs {spec!r}: directory holds no .txt or .parquet files")
+    if path.is_file():
+        if path.suffix == ".parquet":
+            return SourceConfig(type="parquet", **common)  # type: ignore[arg-type]
+        if path.suffix == ".txt":
+            return SourceConfig(type="text", **common)  # type: ignore[arg-type]
+        raise ValueError(f"--ppl-docs {spec!r}: a file must be .txt or .parquet")
+    if spec.startswith((".", "/", "~")) or spec.endswith((".txt", ".parquet")) or spec.count("/") > 1:
+        raise ValueError(f"--ppl-docs {spec!r}: no such file or directory")
+    # A hub id: stream, so the first max_documents books are read without fetching the whole split.
+    return SourceConfig(type="hf", split=split, streaming=True, **common)  # type: ignore[arg-type]
+
+
+def load_documents(
+    spec: str,
+    tokenizer: Tokenizer,
+    max_doc_tokens: int,
+    max_documents: int | None = None,
+    strip_gutenberg: bool = False,
+    split: str = "test",
+    text_field: str = "text",
+) -> EvalDocuments:
+    """Tokenise documents in source order; keep the first ``max_documents`` with >= max_doc_tokens tokens."""
+    if max_doc_tokens < 2:
+        raise ValueError(f"--max-doc-tokens {max_doc_tokens}: must be >= 2")
+    source = source_for(spec, split, text_field, strip_gutenberg)
+    cleaner = Cleaner(source)
+    documents = EvalDocuments(source=spec, max_doc_tokens=max_doc_tokens)
+    for record in read_source(source, "ppl-docs"):
+        if max_documents is not None and len(documents.token_ids) >= max_documents:
+            break
+        if isinstance(record, BadRecord):
+            documents.num_bad += 1
+            continue
+        documents.num_read += 1
+        text = cleaner(record.text, record.location)
+        tokens = tokenizer.encode(text) if text is not None else []
+        if len(tokens) < max_doc_tokens:
+            documents.num_too_short += 1
+            continue
+        documents.names.append(record.location)
+        documents.token_ids.append(torch.tensor(tokens[:max_doc_tokens], dtype=torch.long))
+    if not documents.token_ids:
+        raise ValueError(f"--ppl-docs {spec!r}: none of {documents.num_read} documents has >= --max-doc-tokens "
+                         f"{max_doc_tokens} tokens; lower --max-doc-tokens")
+    return documents

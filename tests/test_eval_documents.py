@@ -1,0 +1,68 @@
+"""Evaluation documents: .txt directories and parquet give the same tokens, Gutenberg boilerplate is
+stripped on request, short books are skipped and counted, long ones truncated."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from megatron_lite.data.tokenizer import Tokenizer
+from megatron_lite.eval.documents import load_documents, source_for
+from test_eval_support import make_tokenizer, single_thread, write_books  # noqa: F401 (fixture)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return make_tokenizer(tmp_path_factory.mktemp("documents_tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def books(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_books(tmp_path_factory.mktemp("books"), [60, 5, 80])  # the middle book is short
+
+
+def test_short_books_are_skipped_and_long_ones_truncated(tokenizer: Tokenizer, books: Path) -> None:
+    documents = load_documents(str(books), tokenizer, max_doc_tokens=600, strip_gutenberg=True)
+    assert documents.num_read == 3 and documents.num_too_short == 1 and len(documents.token_ids) == 2
+    assert [name.rsplit("/", 1)[-1] for name in documents.names] == ["book_00.txt", "book_02.txt"]
+    assert all(ids.shape == (600,) for ids in documents.token_ids)
+    assert "2 of 3 documents" in documents.summary() and "1 shorter ones skipped" in documents.summary()
+    limited = load_documents(str(books), tokenizer, max_doc_tokens=600, max_documents=1)
+    assert len(limited.token_ids) == 1
+
+
+def test_gutenberg_boilerplate_is_stripped_on_request(tokenizer: Tokenizer, books: Path) -> None:
+    stripped = load_documents(str(books), tokenizer, max_doc_tokens=100, strip_gutenberg=True)
+    raw = load_documents(str(books), tokenizer, max_doc_tokens=100, strip_gutenberg=False)
+    stripped_text = tokenizer.decode(stripped.token_ids[0].tolist())
+    raw_text = tokenizer.decode(raw.token_ids[0].tolist())
+    assert raw_text.startswith("The Project Gutenberg eBook") and "PROJECT GUTENBERG" not in stripped_text
+    assert "\r" not in raw_text  # CRLF normalised either way
+    full = load_documents(str(books), tokenizer, max_doc_tokens=2, strip_gutenberg=True)
+    assert all("Licence" not in tokenizer.decode(ids.tolist()) for ids in full.token_ids)
+
+
+def test_parquet_gives_the_same_documents(tokenizer: Tokenizer, books: Path, tmp_path: Path) -> None:
+    texts = [path.read_bytes().decode() for path in sorted(books.glob("*.txt"))]
+    pq.write_table(pa.table({"text": texts, "title": ["a", "b", "c"]}), tmp_path / "pg19.parquet")
+    from_txt = load_documents(str(books), tokenizer, 600, strip_gutenberg=True)
+    from_parquet = load_documents(str(tmp_path / "pg19.parquet"), tokenizer, 600, strip_gutenberg=True)
+    assert from_parquet.num_too_short == 1
+    assert [ids.tolist() for ids in from_parquet.token_ids] == [ids.tolist() for ids in from_txt.token_ids]
+    assert source_for(str(tmp_path)).type == "parquet"
+
+
+def test_sources(tmp_path: Path) -> None:
+    assert source_for("emozilla/pg19-test").type == "hf" and source_for("pg19").split == "test"
+    with pytest.raises(ValueError, match="--ppl-docs"):
+        source_for(str(tmp_path / "missing" / "books.txt"))
+    with pytest.raises(ValueError, match="--ppl-docs"):
+        source_for(str(tmp_path))  # an empty directory
+
+
+def test_no_long_enough_document_names_the_flag(tokenizer: Tokenizer, books: Path) -> None:
+    with pytest.raises(ValueError, match="--max-doc-tokens"):
+        load_documents(str(books), tokenizer, max_doc_tokens=10**6)

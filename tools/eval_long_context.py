@@ -1,0 +1,82 @@
+#!/usr/bin/env python
+"""Long-context evaluation: PG-19 sliding-window perplexity and passkey retrieval, with RoPE scalings.
+
+    python tools/eval_long_context.py --checkpoints runs/rope runs/coca_slack --out eval/long \\
+        --ppl-docs emozilla/pg19-test --windows 512,1024,2048,4096,8192,16384,32768 --stride 512 \\
+        --passkey-lengths 512,1024,2048,4096 --scaling none,dynamic:2,dynamic:4,dynamic:8,linear:4,yarn:4
+
+Writes OUT/results.json, OUT/tables.md, OUT/perplexity_vs_window.png, OUT/passkey_heatmap.png,
+OUT/passkey_cases.json and OUT/run_info.json; per-window results are cached in OUT/cache, so an
+interrupted run picks up where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_lite.eval.long_context import DEFAULT_WINDOWS, EvalOutOfMemory, LongContextSettings, run_long_context_eval
+from megatron_lite.eval.scaling import parse_int_list, parse_scaling_list
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--checkpoints", nargs="+", required=True, metavar="[NAME=]DIR",
+                        help="run dirs (latest checkpoint), step dirs or consolidated dirs; NAME= labels the rows")
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--ppl-docs", default=None,
+                        help="documents: a directory of .txt books, parquet file/dir, or a HF hub id (test split), "
+                             "e.g. emozilla/pg19-test")
+    parser.add_argument("--windows", default=",".join(map(str, DEFAULT_WINDOWS)), help="context windows L")
+    parser.add_argument("--stride", type=int, default=512, help="sliding-window stride S")
+    parser.add_argument("--max-doc-tokens", type=int, default=32768,
+                        help="keep documents with at least this many tokens, truncated to it")
+    parser.add_argument("--max-docs", type=int, default=100, help="use at most this many documents (paper: 100)")
+    parser.add_argument("--strip-gutenberg", action="store_true",
+                        help="strip Project Gutenberg headers/footers (raw Gutenberg files)")
+    parser.add_argument("--split", default="test", help="HF split (hub ids)")
+    parser.add_argument("--text-field", default="text", help="text column (HF, parquet)")
+    parser.add_argument("--passkey-lengths", default="", help="passkey prompt lengths in tokens (empty: no passkey)")
+    parser.add_argument("--passkey-cases", type=int, default=100, help="cases per length")
+    parser.add_argument("--scaling", default="none",
+                        help="RoPE scalings: none | dynamic:F | linear:F | ntk:F | yarn:F, comma-separated")
+    parser.add_argument("--seed", type=int, default=1234, help="passkey keys and depths")
+    parser.add_argument("--batch-size", type=int, default=1, help="windows (or passkey cases) per forward")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--attention-backend", default="auto",
+                        help="auto (chunked for ALiBi, fused causal sdpa otherwise) | sdpa | chunked | flash | reference")
+    parser.add_argument("--chunk-size", type=int, default=1024, help="query block of the chunked backend")
+    parser.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the checkpoint's)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
+    return parser.parse_args(argv)
+
+
+def settings_from_args(args: argparse.Namespace) -> LongContextSettings:
+    return LongContextSettings(
+        checkpoints=args.checkpoints, out_dir=args.out, ppl_docs=args.ppl_docs,
+        windows=parse_int_list(args.windows, "--windows"), stride=args.stride, max_doc_tokens=args.max_doc_tokens,
+        max_docs=args.max_docs, strip_gutenberg=args.strip_gutenberg, split=args.split, text_field=args.text_field,
+        passkey_lengths=parse_int_list(args.passkey_lengths, "--passkey-lengths") if args.passkey_lengths else [],
+        passkey_cases=args.passkey_cases, scalings=parse_scaling_list(args.scaling), seed=args.seed,
+        batch_size=args.batch_size, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+        chunk_size=args.chunk_size, tokenizer=args.tokenizer, progress=not args.quiet,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        results = run_long_context_eval(settings_from_args(args))
+    except (ValueError, EvalOutOfMemory) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2 if isinstance(error, ValueError) else 1
+    if not args.quiet:
+        print((args.out / "tables.md").read_text())
+    return 0 if results["perplexity"] or results["passkey"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
