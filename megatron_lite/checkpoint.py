@@ -116,11 +116,13 @@ def _step_dir_config(step_dir: Path) -> Path:
 
 
 def _zero_stage(step_dir: Path) -> int:
-    optim_files = sorted(step_dir.glob("*_optim_states.pt"))
-    if not optim_files:
-        return 0
-    state = torch.load(optim_files[0], map_location="cpu", weights_only=False, mmap=True)
-    return int(state.get("optimizer_state_dict", {}).get("zero_stage", 0))
+    """The stage from the ds_config DeepSpeed stores in every model-states file (tensors and plain
+    values only, so weights_only=True loads it; the optimizer files pickle DeepSpeed classes)."""
+    files = sorted(step_dir.glob("*model_states.pt"))
+    if not files:
+        raise ValueError(f"{step_dir}: no *model_states.pt")
+    state = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+    return int((state.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
 
 
 def load_step_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -133,8 +135,8 @@ def load_step_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
         files = sorted(step_dir.glob("mp_rank_*_model_states.pt"))
         if not files:
             raise ValueError(f"{step_dir}: no mp_rank_*_model_states.pt")
-        # DeepSpeed pickles client state next to the weights, so weights_only cannot be used here.
-        state = torch.load(files[0], map_location="cpu", weights_only=False)["module"]
+        # zero_to_fp32 (above) unpickles with weights_only=False inside DeepSpeed; here we need not.
+        state = torch.load(files[0], map_location="cpu", weights_only=True)["module"]
     return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()}
 
 
