@@ -1,0 +1,131 @@
+"""Any checkpoint in, any format out: the library behind ``tools/convert_checkpoint.py``.
+
+Inputs (detected by ``megatron_lite.checkpoint.checkpoint_kind``): a run dir (its latest complete
+checkpoint), a DeepSpeed step dir (any ZeRO stage and world size, consolidated with DeepSpeed's
+own utilities), a consolidated dir (config.yml + model.safetensors) or a Hugging Face dir.
+
+Targets: ``hf`` (hf_export), ``safetensors`` and ``megatron_lite`` (both a consolidated dir that
+``megatron_lite.checkpoint.load_model`` and training resume from). ``coca`` turns a RoPE model
+into a CoCA model (see ``rope_to_coca``).
+
+Outputs are staged in a hidden sibling directory and moved into place when complete, so a failed
+conversion never leaves a half-written OUTPUT, and ``force`` replaces an existing one only then.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_lite import checkpoint
+from megatron_lite import config as config_lib
+from megatron_lite.config import Config
+from megatron_lite.convert import layout
+from megatron_lite.convert.hf_config import uses_stock_model
+from megatron_lite.convert.hf_export import export_hf
+from megatron_lite.convert.hf_import import import_hf
+
+TARGETS = ("hf", "safetensors", "megatron_lite")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedCheckpoint:
+    state: dict[str, torch.Tensor]  # megatron_lite names
+    config: Config
+    tokenizer_path: Path | None
+    kind: str  # run | step | consolidated | hf
+
+
+@dataclass
+class ConversionResult:
+    output: Path
+    source_kind: str  # run | step | consolidated | hf
+    config: Config  # of the written model
+    needs_remote_code: bool  # an hf output that loads only with trust_remote_code=True
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> LoadedCheckpoint:
+    """Weights (megatron_lite names, checked against the config), config and tokenizer of any input."""
+    resolved = checkpoint.resolve_checkpoint(path)
+    kind = checkpoint.checkpoint_kind(resolved)
+    if kind == "hf":
+        state, config, tokenizer = import_hf(resolved)
+    else:
+        state, config, tokenizer = checkpoint.load_state_dict(resolved)
+        layout.check_tensors(state, layout.expected_shapes(config.model), str(resolved))
+    return LoadedCheckpoint(state, config, tokenizer, kind)
+
+
+def rope_to_coca(config: Config, constraint: str) -> Config:
+    """The same weights read as CoCA: the K slot of ``query_key_value`` becomes T (paper's fine-tuning start).
+
+    Preserved: every tensor bitwise, the rotary base/pct/scaling, all other settings. Not preserved:
+    the function — CoCA scores (q * R q).(R t) (slack) or (R u).(R w) (strict) differ from RoPE's
+    (R q).(R k), so logits change until the model is fine-tuned (the paper's stages 1-3).
+    """
+    if config.model.position.scheme != "rope":
+        raise ValueError(f"--coca converts a RoPE model; this one has model.position.scheme={config.model.position.scheme!r}")
+    if constraint not in ("slack", "strict"):
+        raise ValueError(f"--coca {constraint!r}: must be slack or strict")
+    data = config_lib.to_dict(config)
+    data["model"]["position"].update(scheme="coca", constraint=constraint)
+    return config_lib.from_dict(data)
+
+
+@contextlib.contextmanager
+def staged_output(output: Path, force: bool, source: Path) -> Iterator[Path]:
+    """Yield an empty staging dir that becomes ``output`` on success; refuse a non-empty output without force."""
+    output, source = output.resolve(), source.resolve()
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"OUTPUT {output} exists and is not a directory")
+    if output.exists() and any(output.iterdir()) and not force:
+        raise ValueError(f"OUTPUT {output} is not empty; pass --force to replace its contents")
+    if source == output or output in source.parents:
+        raise ValueError(f"OUTPUT {output} contains INPUT {source}; choose another OUTPUT")
+    staging = output.parent / f".{output.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if output.exists():
+        shutil.rmtree(output)
+    os.replace(staging, output)
+
+
+def convert_checkpoint(
+    input_path: str | os.PathLike[str],
+    output_path: str | os.PathLike[str],
+    to: str,
+    dtype: str = "fp32",
+    force: bool = False,
+    coca: str | None = None,
+) -> ConversionResult:
+    """Convert ``input_path`` to ``to`` (hf | safetensors | megatron_lite) in ``output_path``."""
+    if to not in TARGETS:
+        raise ValueError(f"--to {to!r}: must be one of {', '.join(TARGETS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: must be one of {', '.join(DTYPES)}")
+    output = Path(output_path)
+    source = Path(input_path)
+    if output.exists() and output.is_dir() and any(output.iterdir()) and not force:  # fail before the slow load
+        raise ValueError(f"OUTPUT {output.resolve()} is not empty; pass --force to replace its contents")
+    loaded = load_checkpoint(source)
+    config = rope_to_coca(loaded.config, coca) if coca is not None else loaded.config
+    with staged_output(output, force, source) as staging:
+        if to == "hf":
+            export_hf(loaded.state, config, staging, loaded.tokenizer_path, DTYPES[dtype])
+        else:
+            state = layout.untie(layout.cast(loaded.state, DTYPES[dtype]))
+            checkpoint.save_consolidated(state, config, staging, loaded.tokenizer_path)
+    remote = to == "hf" and not uses_stock_model(config.model)
+    return ConversionResult(output.resolve(), loaded.kind, config, remote)

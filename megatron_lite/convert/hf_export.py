@@ -1,0 +1,77 @@
+"""Write a megatron_lite model as a Hugging Face model directory.
+
+    config.json                  GPT-NeoX fields (+ position_scheme, coca_constraint, auto_map for remote code)
+    generation_config.json       bos/eos = <|endoftext|>, pad = <|pad|>
+    model.safetensors            weights under GPTNeoXForCausalLM names, per-head fused [q | k-or-t | v]
+    tokenizer.json, tokenizer_config.json, tokenizer.model     (when the checkpoint has a tokenizer)
+    megatron_lite_config.yml     the full training config, so --to megatron_lite restores it exactly
+    configuration_megatron_lite.py, modeling_megatron_lite.py  (remote-code schemes only)
+
+RoPE and no-position models load as the stock ``GPTNeoXForCausalLM``; CoCA, ALiBi, learned and
+sinusoidal models need ``trust_remote_code=True`` and run the self-contained modeling file.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_lite import config as config_lib
+from megatron_lite.config import Config
+from megatron_lite.convert import layout
+from megatron_lite.convert.hf_config import hf_config_fields, uses_stock_model
+from megatron_lite.convert.hf_tokenizer import write_hf_tokenizer
+
+HF_WEIGHTS_FILE = "model.safetensors"
+TRAINING_CONFIG_FILE = "megatron_lite_config.yml"
+REMOTE_DIR = Path(__file__).parent / "hf_remote"
+REMOTE_CONFIG_MODULE = "configuration_megatron_lite"
+REMOTE_MODELING_MODULE = "modeling_megatron_lite"
+AUTO_MAP = {
+    "AutoConfig": f"{REMOTE_CONFIG_MODULE}.MegatronLiteConfig",
+    "AutoModel": f"{REMOTE_MODELING_MODULE}.MegatronLiteModel",
+    "AutoModelForCausalLM": f"{REMOTE_MODELING_MODULE}.MegatronLiteForCausalLM",
+}
+DEFAULT_SPECIAL_IDS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1}  # megatron_lite's fixed ids
+HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def build_hf_config(config: Config, special_ids: dict[str, Any], dtype: torch.dtype) -> Any:
+    """A ``GPTNeoXConfig`` (stock schemes) or ``MegatronLiteConfig`` (remote code) for ``config.model``."""
+    fields = hf_config_fields(config.model) | special_ids | {"dtype": HF_DTYPE_NAMES[dtype]}
+    if uses_stock_model(config.model):
+        from transformers import GPTNeoXConfig
+
+        return GPTNeoXConfig(**fields, architectures=["GPTNeoXForCausalLM"])
+    from megatron_lite.convert.hf_remote.configuration_megatron_lite import MegatronLiteConfig
+
+    hf_config = MegatronLiteConfig(**fields, architectures=["MegatronLiteForCausalLM"])
+    hf_config.auto_map = dict(AUTO_MAP)
+    return hf_config
+
+
+def export_hf(
+    state: dict[str, torch.Tensor],
+    config: Config,
+    out_dir: str | Path,
+    tokenizer_path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write the HF directory into ``out_dir`` (which must exist; the caller stages it)."""
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    out = Path(out_dir)
+    hf_state = layout.untie(layout.cast(layout.to_hf_state(state, config.model), dtype))
+    special_ids = write_hf_tokenizer(tokenizer_path, out) if tokenizer_path is not None else dict(DEFAULT_SPECIAL_IDS)
+    if not uses_stock_model(config.model):
+        for module in (REMOTE_CONFIG_MODULE, REMOTE_MODELING_MODULE):
+            shutil.copyfile(REMOTE_DIR / f"{module}.py", out / f"{module}.py")
+    build_hf_config(config, special_ids, dtype).save_pretrained(out)
+    GenerationConfig(**special_ids).save_pretrained(out)
+    save_file(hf_state, str(out / HF_WEIGHTS_FILE), metadata={"format": "pt"})
+    config_lib.save(config, out / TRAINING_CONFIG_FILE)
+    return out

@@ -1,0 +1,92 @@
+"""Read a Hugging Face GPT-NeoX (e.g. Pythia) or megatron_lite_gpt model directory as megatron_lite weights.
+
+Weights come from ``model.safetensors`` (or its sharded index); legacy ``pytorch_model.bin`` files
+are read with ``torch.load(weights_only=True)``, which refuses arbitrary pickled objects. Every
+tensor is checked against the config: missing, unexpected and mis-shaped tensors are reported in
+one ``ValueError``.
+
+The config: when the directory holds ``megatron_lite_config.yml`` (written by our exporter) and
+config.json still describes the same architecture, that training config is restored exactly
+(round trips are lossless). Otherwise the model section is derived from config.json
+(``hf_config.model_section_from_hf``), keeping the non-architecture settings of the yml when one
+exists, and other sections take their defaults — set them with ``--set`` when training.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_lite import config as config_lib
+from megatron_lite.config import Config
+from megatron_lite.convert import layout
+from megatron_lite.convert.hf_config import hf_config_fields, model_section_from_hf
+from megatron_lite.convert.hf_export import TRAINING_CONFIG_FILE
+from megatron_lite.convert.hf_tokenizer import SENTENCEPIECE_FILE, TOKENIZER_JSON
+
+# Model keys that describe training, not the architecture: kept from megatron_lite_config.yml.
+TRAINING_ONLY_MODEL_KEYS = ("init_method", "output_layer_init_method", "checkpoint_activations", "attention", "norm")
+
+
+def _weight_files(hf_dir: Path) -> list[Path]:
+    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        index = hf_dir / index_name
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [hf_dir / shard for shard in shards]
+    for single in ("model.safetensors", "pytorch_model.bin"):
+        if (hf_dir / single).is_file():
+            return [hf_dir / single]
+    raise ValueError(f"{hf_dir}: no model.safetensors, pytorch_model.bin or sharded index")
+
+
+def load_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in _weight_files(hf_dir):
+        if path.suffix == ".safetensors":
+            state.update(load_file(str(path)))
+        else:
+            state.update(torch.load(path, map_location="cpu", weights_only=True))
+    return state
+
+
+def _config_from_hf(hf_dir: Path, hf: dict[str, Any]) -> Config:
+    model_section = model_section_from_hf(hf)
+    training_file = hf_dir / TRAINING_CONFIG_FILE
+    if not training_file.is_file():
+        return config_lib.from_dict({"model": model_section})
+    training = config_lib.load(training_file)
+    derived = config_lib.from_dict({"model": model_section})
+    if hf_config_fields(training.model) == hf_config_fields(derived.model):
+        return training
+    changed = sorted(key for key, value in hf_config_fields(derived.model).items()
+                     if hf_config_fields(training.model).get(key) != value)
+    warnings.warn(f"{hf_dir}: config.json differs from {TRAINING_CONFIG_FILE} in {', '.join(changed)}; "
+                  "config.json wins for the architecture", stacklevel=3)
+    data = config_lib.to_dict(training)
+    model_section.update({key: data["model"][key] for key in TRAINING_ONLY_MODEL_KEYS})
+    data["model"] = model_section
+    return config_lib.from_dict(data)
+
+
+def import_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], Config, Path | None]:
+    """(fp32-or-stored-dtype weights under megatron_lite names, config, SentencePiece model or None)."""
+    hf_dir = Path(path)
+    config_file = hf_dir / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{hf_dir}: no config.json, not a Hugging Face model directory")
+    config = _config_from_hf(hf_dir, json.loads(config_file.read_text()))
+    state = layout.from_hf_state(load_hf_weights(hf_dir), config.model, str(hf_dir))
+    tokenizer = hf_dir / SENTENCEPIECE_FILE
+    if tokenizer.is_file():
+        return state, config, tokenizer
+    if (hf_dir / TOKENIZER_JSON).is_file():
+        warnings.warn(f"{hf_dir}: the tokenizer is not a SentencePiece model (no {SENTENCEPIECE_FILE}); it is not "
+                      "carried over — megatron_lite's data pipeline needs data.tokenizer.model", stacklevel=2)
+    return state, config, None

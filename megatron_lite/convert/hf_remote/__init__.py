@@ -1,0 +1,1 @@
+"""Remote-code files copied into exported Hugging Face directories (self-contained: torch + transformers only)."""

@@ -1,0 +1,446 @@
+"""megatron_lite GPT for Hugging Face transformers (remote code, self-contained).
+
+Copied next to the weights by ``tools/convert_checkpoint.py --to hf`` for the position schemes the
+stock ``GPTNeoXForCausalLM`` cannot express (CoCA, ALiBi, learned, sinusoidal); load it with
+``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)``. It needs only torch and
+transformers >= 5: the receiver does not need megatron_lite.
+
+The network is GPT-NeoX (fused per-head ``[q | k-or-t | v]`` projection, parallel residual,
+LayerNorm, untied head by default) with the tensor names ``GPTNeoXForCausalLM.save_pretrained``
+writes (``gpt_neox.embed_in``, ``gpt_neox.layers.N.*``, ``gpt_neox.final_layer_norm``, ``embed_out``). A position
+scheme turns per-head projections into what one ordinary attention kernel (SDPA) consumes:
+
+| scheme        | q'          | k'        | bias                      |
+|---------------|-------------|-----------|---------------------------|
+| none          | q           | k         | -                         |
+| learned/sin.  | q           | k         | - (added to embeddings)   |
+| alibi         | q           | k         | -slope_h * (m - n)        |
+| rope          | R_m q       | R_n k     | -                         |
+| coca slack    | q * R_m q   | R_n t     | -                         |
+| coca strict   | R_m u       | R_n w     | -                         |
+
+R_n rotates pairs (i, i + r/2) of the first r = head_dim * partial_rotary_factor dims (GPT-NeoX
+"rotate_half"). CoCA (arXiv 2309.08646): the K slot yields t_raw, c_i = relu((t_i + t_{i+r/2}) / 2)
+per rotary pair (pass-through dims are paired among themselves). Slack's score (q * R_m q).(R_n t)
+is the paper's Eq. 11; strict's (R_m u).(R_n w) with u_j = |q_pair_j|^2, w_j = c_j and zeros in
+the second half of each pair is Eq. 10 via Eq. 18. The KV cache holds (k', v).
+
+RoPE scalings (``rope_parameters.rope_type``): default, linear, dynamic (HF dynamic NTK: the base
+grows with the sequence length beyond ``max_position_embeddings``) and yarn. With a KV cache the
+dynamic base is fixed for the whole generation from its final length (``generate`` passes it as
+``rope_length``), so cached keys never carry a stale base (HF issue #25104).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .configuration_megatron_lite import MegatronLiteConfig
+
+ROTARY_SCHEMES = ("rope", "coca")
+ROPE_LENGTH_ATTRIBUTE = "megatron_lite_rope_length"  # set on a Cache: the length that fixes the dynamic base
+
+
+# ----------------------------------------------------------------------------------------------
+# Rotary frequencies and scalings (float64 angles, float32 tables)
+
+
+def rotary_dims(config: MegatronLiteConfig) -> int:
+    head_dim = config.hidden_size // config.num_attention_heads
+    return int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+
+
+def base_inverse_frequencies(dims: int, base: float) -> torch.Tensor:
+    """theta_i = base^(-2i/r), i < r/2, float64 (r/2,)."""
+    return 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims))
+
+
+def yarn_inverse_frequencies(config: MegatronLiteConfig, dims: int, base: float, factor: float) -> tuple[torch.Tensor, float]:
+    """NTK-by-parts blend of interpolated and extrapolated frequencies (HF _compute_yarn_parameters)."""
+    params = config.rope_parameters
+    original = params.get("original_max_position_embeddings") or config.max_position_embeddings
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return dims * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dims // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    position_frequencies = base ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)
+    inverse = (1.0 / (factor * position_frequencies)) * ramp + (1.0 / position_frequencies) * (1 - ramp)
+    attention_factor = params.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    return inverse, float(attention_factor)
+
+
+def inverse_frequencies(config: MegatronLiteConfig, seq_len: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (float64, (r/2,)) and attention factor for a sequence of seq_len tokens."""
+    params = config.rope_parameters
+    kind, base, dims = params.get("rope_type", "default"), float(params["rope_theta"]), rotary_dims(config)
+    factor = float(params.get("factor") or 1.0)
+    if kind == "default":
+        return base_inverse_frequencies(dims, base), 1.0
+    if kind == "linear":
+        return base_inverse_frequencies(dims, base) / factor, 1.0
+    if kind == "dynamic":
+        train_length = config.max_position_embeddings
+        if seq_len > train_length:
+            base = base * ((factor * seq_len / train_length) - (factor - 1)) ** (dims / (dims - 2))
+        return base_inverse_frequencies(dims, base), 1.0
+    if kind == "yarn":
+        return yarn_inverse_frequencies(config, dims, base, factor)
+    raise ValueError(f"rope_parameters.rope_type={kind!r}: supported are default, linear, dynamic, yarn")
+
+
+def rotary_tables(config: MegatronLiteConfig, positions_BT: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin (B, 1, T, r) float32 at integer positions (B, T), times the attention factor."""
+    inverse, attention_factor = inverse_frequencies(config, seq_len)
+    angles = positions_BT.to(torch.float64)[..., None] * inverse.to(positions_BT.device)  # (B, T, r/2)
+    angles = torch.cat((angles, angles), dim=-1)  # [theta, theta] layout
+    cos = (angles.cos() * attention_factor).to(torch.float32)[:, None]
+    sin = (angles.sin() * attention_factor).to(torch.float32)[:, None]
+    return cos, sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(x_BHTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """R_n x on the first r = cos.shape[-1] dims; the rest pass through."""
+    r = cos.shape[-1]
+    cos, sin = cos.to(x_BHTD.dtype), sin.to(x_BHTD.dtype)
+    if r == x_BHTD.shape[-1]:
+        return x_BHTD * cos + rotate_half(x_BHTD) * sin
+    x_rot, x_pass = x_BHTD[..., :r], x_BHTD[..., r:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Position schemes
+
+
+def pair_coefficients(t_raw: torch.Tensor, dims: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """CoCA: c_i = relu((t_i + t_{i+r/2}) / 2) per rotary pair, and the same over the pass-through dims."""
+    half = dims // 2
+    c_rot = torch.relu((t_raw[..., :half] + t_raw[..., half:dims]) * 0.5)
+    if t_raw.shape[-1] == dims:
+        return c_rot, None
+    rest = t_raw[..., dims:]
+    rest_half = rest.shape[-1] // 2
+    return c_rot, torch.relu((rest[..., :rest_half] + rest[..., rest_half:]) * 0.5)
+
+
+def transform_query(config: MegatronLiteConfig, q_BHTD: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    scheme = config.position_scheme
+    if scheme not in ROTARY_SCHEMES:
+        return q_BHTD
+    assert cos is not None and sin is not None
+    if scheme == "rope":
+        return rotate(q_BHTD, cos, sin)
+    if config.coca_constraint == "slack":
+        return q_BHTD * rotate(q_BHTD, cos, sin)  # q * R_m q
+    dims = cos.shape[-1]
+    half = dims // 2
+    q_first, q_second = q_BHTD[..., :half], q_BHTD[..., half:dims]
+    pair_norm2 = q_first * q_first + q_second * q_second  # (B, H, T, r/2): u_j = |q_pair_j|^2
+    parts = [pair_norm2 * cos[..., :half].to(q_BHTD.dtype), pair_norm2 * sin[..., :half].to(q_BHTD.dtype)]  # R_m [u, 0]
+    if q_BHTD.shape[-1] > dims:
+        q_pass = q_BHTD[..., dims:]
+        parts.append(q_pass * q_pass)
+    return torch.cat(parts, dim=-1)
+
+
+def transform_key(config: MegatronLiteConfig, k_BHTD: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+    scheme = config.position_scheme
+    if scheme not in ROTARY_SCHEMES:
+        return k_BHTD
+    assert cos is not None and sin is not None
+    if scheme == "rope":
+        return rotate(k_BHTD, cos, sin)
+    dims = cos.shape[-1]
+    half = dims // 2
+    c_rot, c_pass = pair_coefficients(k_BHTD, dims)  # (B, H, T, r/2)
+    cos_half, sin_half = cos[..., :half].to(c_rot.dtype), sin[..., :half].to(c_rot.dtype)
+    if config.coca_constraint == "slack":
+        parts = [c_rot * (cos_half - sin_half), c_rot * (cos_half + sin_half)]  # R_n [c, c]
+    else:
+        parts = [c_rot * cos_half, c_rot * sin_half]  # R_n [c, 0]
+    if c_pass is not None:
+        parts += [c_pass, c_pass]
+    return torch.cat(parts, dim=-1)
+
+
+def alibi_slopes(num_heads: int) -> list[float]:
+    """Press et al. head slopes, including non-power-of-2 head counts."""
+
+    def power_of_two_slopes(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (h + 1) for h in range(n)]
+
+    if math.log2(num_heads).is_integer():
+        return power_of_two_slopes(num_heads)
+    closest = 2 ** math.floor(math.log2(num_heads))
+    return power_of_two_slopes(closest) + alibi_slopes(2 * closest)[0::2][: num_heads - closest]
+
+
+def sinusoidal_embedding(positions_BT: torch.Tensor, hidden_size: int) -> torch.Tensor:
+    """Vaswani et al.: sin on even, cos on odd dims; (B, T, hidden) float32."""
+    dims = torch.arange(0, hidden_size, 2, dtype=torch.float64, device=positions_BT.device)
+    angles = positions_BT.to(torch.float64)[..., None] / (10000.0 ** (dims / hidden_size))
+    table = torch.zeros(*positions_BT.shape, hidden_size, dtype=torch.float64, device=positions_BT.device)
+    table[..., 0::2] = angles.sin()
+    table[..., 1::2] = angles.cos()[..., : hidden_size // 2]
+    return table.to(torch.float32)
+
+
+def attention_mask_for(
+    config: MegatronLiteConfig,
+    query_length: int,
+    past_length: int,
+    padding_mask_BS: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """None (plain causal: the kernel's own path), a bool (B|1, 1, T, S) mask, or with ALiBi a float
+    (B|1, H, T, S) bias -slope_h * (m - n) with -inf where a key is hidden. Indices are cache slots,
+    so left padding only adds a per-row constant to the ALiBi bias, which softmax ignores."""
+    key_length = past_length + query_length
+    alibi = config.position_scheme == "alibi"
+    if padding_mask_BS is not None and bool(padding_mask_BS.all()):
+        padding_mask_BS = None
+    if not alibi and padding_mask_BS is None and (past_length == 0 or query_length == 1):
+        return None
+    q_index = torch.arange(past_length, key_length, device=device)
+    k_index = torch.arange(key_length, device=device)
+    allowed = (k_index[None, :] <= q_index[:, None])[None, None]  # (1, 1, T, S)
+    if padding_mask_BS is not None:
+        # Padded keys are hidden; a padded query still sees itself so its row stays finite.
+        allowed = allowed & padding_mask_BS[:, None, None, :key_length].bool()
+        allowed = allowed | (k_index[None, :] == q_index[:, None])[None, None]
+    if not alibi:
+        return allowed
+    slopes_H = torch.tensor(alibi_slopes(config.num_attention_heads), dtype=torch.float32, device=device)
+    distance = (k_index[None, :] - q_index[:, None]).to(dtype)  # n - m <= 0 where visible
+    bias = slopes_H.to(dtype)[:, None, None] * distance[None]  # (H, T, S)
+    return bias[None].masked_fill(~allowed, float("-inf"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Network
+
+
+class MegatronLiteAttention(nn.Module):
+    def __init__(self, config: MegatronLiteConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.attention_bias)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self,
+        x_BTC: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+    ) -> torch.Tensor:
+        batch, length, _ = x_BTC.shape
+        # Per-head fused layout: head h owns rows [h*3D, (h+1)*3D) = [q | k-or-t | v].
+        qkv = self.query_key_value(x_BTC).view(batch, length, self.num_heads, 3 * self.head_dim)
+        q_BHTD, k_BHTD, v_BHTD = qkv.transpose(1, 2).split(self.head_dim, dim=-1)
+        cos, sin = rotary if rotary is not None else (None, None)
+        q_BHTD = transform_query(self.config, q_BHTD, cos, sin)
+        k_BHTD = transform_key(self.config, k_BHTD, cos, sin)
+        if cache is not None:
+            k_BHTD, v_BHTD = cache.update(k_BHTD, v_BHTD, self.layer_idx)
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        causal = mask is None and q_BHTD.shape[-2] == k_BHTD.shape[-2] and q_BHTD.shape[-2] > 1
+        out_BHTD = F.scaled_dot_product_attention(
+            q_BHTD, k_BHTD, v_BHTD, attn_mask=mask, is_causal=causal, scale=self.scale, dropout_p=dropout_p
+        )
+        return self.dense(out_BHTD.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
+
+
+class MegatronLiteMLP(nn.Module):
+    def __init__(self, config: MegatronLiteConfig) -> None:
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.dense_4h_to_h = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(self.act(self.dense_h_to_4h(x_BTC)))
+
+
+class MegatronLiteLayer(nn.Module):
+    def __init__(self, config: MegatronLiteConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.use_parallel_residual = config.use_parallel_residual
+        self.input_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attention = MegatronLiteAttention(config, layer_idx)
+        self.mlp = MegatronLiteMLP(config)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, x_BTC, rotary, mask, cache):  # type: ignore[no-untyped-def]
+        attn_BTC = self.hidden_dropout(self.attention(self.input_layernorm(x_BTC), rotary, mask, cache))
+        if self.use_parallel_residual:  # x + attn(ln1(x)) + mlp(ln2(x))
+            return x_BTC + attn_BTC + self.hidden_dropout(self.mlp(self.post_attention_layernorm(x_BTC)))
+        x_BTC = x_BTC + attn_BTC
+        return x_BTC + self.hidden_dropout(self.mlp(self.post_attention_layernorm(x_BTC)))
+
+
+class MegatronLitePreTrainedModel(PreTrainedModel):
+    config_class = MegatronLiteConfig
+    config: MegatronLiteConfig
+    base_model_prefix = "gpt_neox"
+    _no_split_modules = ["MegatronLiteLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+
+
+class MegatronLiteModel(MegatronLitePreTrainedModel):
+    def __init__(self, config: MegatronLiteConfig) -> None:
+        super().__init__(config)
+        self.embed_in = nn.Embedding(config.vocab_size, config.hidden_size)
+        if config.position_scheme == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.layers = nn.ModuleList(MegatronLiteLayer(config, index) for index in range(config.num_hidden_layers))
+        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_in
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_in = value
+
+    def _position_embedding(self, positions_BT: torch.Tensor) -> torch.Tensor | None:
+        scheme = self.config.position_scheme
+        if scheme == "learned":
+            limit = self.embed_positions.num_embeddings
+            if positions_BT.numel() and int(positions_BT.max()) >= limit:
+                raise ValueError(f"position {int(positions_BT.max())} is beyond max_position_embeddings={limit} "
+                                 "of the learned scheme; learned positions cannot extrapolate")
+            return self.embed_positions(positions_BT)
+        if scheme == "sinusoidal":
+            return sinusoidal_embedding(positions_BT, self.config.hidden_size)
+        return None
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        rope_length: int | None = None,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        """rope_length: the length that fixes the dynamic-NTK base. Default: a cache's stored value
+        (set by its first forward), else the last position + 1 (the full-sequence forward)."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        x_BTC = self.embed_in(input_ids) if inputs_embeds is None else inputs_embeds
+        batch, length = x_BTC.shape[:2]
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past_length, past_length + length, device=x_BTC.device)[None].expand(batch, -1)
+
+        rotary = None
+        if self.config.position_scheme in ROTARY_SCHEMES:
+            if rope_length is None and past_key_values is not None:
+                rope_length = getattr(past_key_values, ROPE_LENGTH_ATTRIBUTE, None)
+            if rope_length is None:
+                rope_length = int(position_ids.max()) + 1
+            if past_key_values is not None and getattr(past_key_values, ROPE_LENGTH_ATTRIBUTE, None) is None:
+                setattr(past_key_values, ROPE_LENGTH_ATTRIBUTE, rope_length)
+            rotary = rotary_tables(self.config, position_ids, rope_length)
+
+        position_embedding = self._position_embedding(position_ids)
+        if position_embedding is not None:
+            x_BTC = x_BTC + position_embedding.to(x_BTC.dtype)
+        mask = attention_mask_for(self.config, length, past_length, attention_mask, x_BTC.dtype, x_BTC.device)
+        for layer in self.layers:
+            x_BTC = layer(x_BTC, rotary, mask, past_key_values)
+        return BaseModelOutputWithPast(last_hidden_state=self.final_layer_norm(x_BTC), past_key_values=past_key_values)
+
+
+class MegatronLiteForCausalLM(MegatronLitePreTrainedModel, GenerationMixin):
+    # The head is ``embed_out``: the on-disk name GPTNeoXForCausalLM.save_pretrained writes (v4 and v5).
+    _tied_weights_keys = {"embed_out.weight": "gpt_neox.embed_in.weight"}
+
+    def __init__(self, config: MegatronLiteConfig) -> None:
+        super().__init__(config)
+        self.gpt_neox = MegatronLiteModel(config)
+        self.embed_out = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.embed_out
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.embed_out = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,
+        rope_length: int | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        outputs = self.gpt_neox(
+            input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds, use_cache=use_cache, rope_length=rope_length,
+        )
+        hidden_BTC = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden_BTC = hidden_BTC[:, -logits_to_keep:]
+        logits_BTV = self.embed_out(hidden_BTC)
+        loss = None
+        if labels is not None:  # labels are the inputs; predict token t+1 from position t
+            loss = F.cross_entropy(
+                logits_BTV[:, :-1].reshape(-1, logits_BTV.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits_BTV, past_key_values=outputs.past_key_values)
+
+    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):  # type: ignore[no-untyped-def]
+        """Fix the dynamic-NTK base for the whole generation from its final length (prompt + new tokens)."""
+        if self.config.position_scheme in ROTARY_SCHEMES and self.config.rope_parameters.get("rope_type") == "dynamic" \
+                and kwargs.get("rope_length") is None:
+            prompt = inputs if inputs is not None else kwargs.get("input_ids")
+            settings = generation_config if generation_config is not None else self.generation_config
+            max_new_tokens = kwargs.get("max_new_tokens", settings.max_new_tokens)
+            if prompt is not None and max_new_tokens is not None:
+                kwargs["rope_length"] = prompt.shape[-1] + max_new_tokens
+            else:
+                kwargs["rope_length"] = kwargs.get("max_length", settings.max_length)
+        return super().generate(inputs, generation_config=generation_config, **kwargs)
+
+
+__all__ = ["MegatronLiteForCausalLM", "MegatronLiteModel", "MegatronLitePreTrainedModel"]

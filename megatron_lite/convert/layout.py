@@ -1,0 +1,120 @@
+"""Tensor names and layouts: megatron_lite ``GPT.state_dict()`` <-> Hugging Face ``GPTNeoXForCausalLM``.
+
+The two layouts are the same tensors under different names. Both fuse the attention input
+projection per head: ``query_key_value`` is (3 * hidden, hidden) whose rows, viewed as
+(heads, 3, head_dim), hold head h's [q | k-or-t | v] (megatron_lite views the output as
+(B, T, heads, 3 * head_dim) and splits the last dim; HF GPT-NeoX does the same and ``chunk``s it).
+So no tensor is permuted; only names change:
+
+    megatron_lite                      Hugging Face (transformers v5)
+    embed_in.weight                    gpt_neox.embed_in.weight
+    position.embedding.weight          gpt_neox.embed_positions.weight        (learned scheme only)
+    layers.N.<...>                     gpt_neox.layers.N.<...>
+    final_layer_norm.<...>             gpt_neox.final_layer_norm.<...>
+    lm_head.weight                     embed_out.weight
+
+The head: transformers v5 calls the module ``lm_head`` in memory, but ``save_pretrained`` reverts
+its conversion mapping (``conversion_mapping.py``: ``^embed_out.`` -> ``lm_head.``) and writes
+``embed_out.weight``, the name of transformers v4 and of every Pythia checkpoint on the Hub. We
+write that name too (v4 and v5 both load it, and the remote-code model names its head
+``embed_out``), and read either name.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lite.config import ModelConfig
+
+HF_PREFIX = "gpt_neox."
+FRAMEWORK_POSITION_TABLE = "position.embedding.weight"
+HF_POSITION_TABLE = "gpt_neox.embed_positions.weight"
+LM_HEAD = "lm_head.weight"
+HF_LM_HEAD = "embed_out.weight"  # on disk (what save_pretrained writes)
+HF_IN_MEMORY_LM_HEAD = "lm_head.weight"  # transformers v5 module name, found in some files
+# Buffers older GPT-NeoX checkpoints saved next to the weights; they carry no learned state.
+IGNORED_HF_SUFFIXES = (".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")
+
+
+def framework_to_hf_name(name: str) -> str:
+    if name == LM_HEAD:
+        return HF_LM_HEAD
+    if name == FRAMEWORK_POSITION_TABLE:
+        return HF_POSITION_TABLE
+    return HF_PREFIX + name
+
+
+def hf_to_framework_name(name: str) -> str:
+    if name in (HF_LM_HEAD, HF_IN_MEMORY_LM_HEAD):
+        return LM_HEAD
+    if name == HF_POSITION_TABLE:
+        return FRAMEWORK_POSITION_TABLE
+    if name.startswith(HF_PREFIX):
+        return name[len(HF_PREFIX):]
+    return name  # left as is: the shape check reports it as unexpected
+
+
+def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in ``GPT(model).state_dict()`` (built on the meta device, no memory)."""
+    from megatron_lite.model import GPT
+
+    with torch.device("meta"):
+        instance = GPT(model)
+    return {name: tuple(tensor.shape) for name, tensor in instance.state_dict().items()}
+
+
+def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], source: str) -> None:
+    """One ValueError listing every missing, unexpected and mis-shaped tensor (nothing when all match)."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshaped = sorted(
+        f"{name} {tuple(state[name].shape)} (expected {expected[name]})"
+        for name in set(state) & set(expected)
+        if tuple(state[name].shape) != expected[name]
+    )
+    problems = [f"missing: {', '.join(missing)}"] if missing else []
+    problems += [f"unexpected: {', '.join(unexpected)}"] if unexpected else []
+    problems += [f"wrong shape: {', '.join(misshaped)}"] if misshaped else []
+    if problems:
+        raise ValueError(f"{source}: tensors do not match the model config — " + "; ".join(problems))
+
+
+def to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names; a tied LM head is left out, as ``save_pretrained`` does."""
+    check_tensors(state, expected_shapes(model), "megatron_lite weights")
+    tied = not model.no_weight_tying
+    return {framework_to_hf_name(name): tensor for name, tensor in state.items() if not (tied and name == LM_HEAD)}
+
+
+def from_hf_state(hf_state: dict[str, torch.Tensor], model: ModelConfig, source: str) -> dict[str, torch.Tensor]:
+    """megatron_lite names, checked against ``model``; a tied head is restored from the embedding."""
+    state = {hf_to_framework_name(name): tensor for name, tensor in hf_state.items() if not name.endswith(IGNORED_HF_SUFFIXES)}
+    if not model.no_weight_tying and LM_HEAD not in state and "embed_in.weight" in state:
+        state[LM_HEAD] = state["embed_in.weight"]
+    check_tensors(state, expected_shapes(model), source)
+    return state
+
+
+def cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Floating tensors in ``dtype``, contiguous, on the CPU; a tensor listed twice (tied) is converted once."""
+    converted: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, tensor in state.items():
+        key = id(tensor)
+        if key not in converted:
+            moved = tensor.detach().to("cpu")
+            converted[key] = (moved.to(dtype) if moved.is_floating_point() else moved).contiguous()
+        out[name] = converted[key]
+    return out
+
+
+def untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Own storage for every tensor: safetensors refuses tensors sharing storage (a tied head, or the
+    views into one flat buffer that DeepSpeed's consolidation returns)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if pointer in seen else tensor
+        seen.add(pointer)
+    return out

@@ -1,0 +1,49 @@
+#!/usr/bin/env python
+"""Convert checkpoints: DeepSpeed run/step dirs, consolidated safetensors dirs, Hugging Face dirs.
+
+    python tools/convert_checkpoint.py runs/coca_350m hf/coca_350m --to hf            # -> transformers
+    python tools/convert_checkpoint.py runs/coca_350m/checkpoints/step_00001000 ckpt --to safetensors
+    python tools/convert_checkpoint.py pythia-160m pythia_ml --to megatron_lite [--coca slack]
+
+INPUT is a run dir (latest complete checkpoint), a DeepSpeed step dir (any ZeRO stage, any world
+size), a consolidated dir (config.yml + model.safetensors) or an HF model dir. Outputs are
+safetensors only. A non-empty OUTPUT is refused unless --force. The logic lives in
+megatron_lite/convert/; docs/conversion.md explains every direction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_lite.convert import TARGETS, convert_checkpoint
+from megatron_lite.convert.conversion import DTYPES
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("input", help="run dir, step dir, consolidated dir or Hugging Face model dir")
+    parser.add_argument("output", help="directory to write (must be empty or absent unless --force)")
+    parser.add_argument("--to", required=True, choices=TARGETS,
+                        help="hf: transformers model dir; safetensors / megatron_lite: consolidated dir for load_model and training")
+    parser.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weight dtype of the output (default fp32)")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUTPUT")
+    parser.add_argument("--coca", choices=("slack", "strict"), default=None,
+                        help="turn a RoPE model into CoCA (T initialised from the K projection; logits change until fine-tuned)")
+    args = parser.parse_args(argv)
+    try:
+        result = convert_checkpoint(args.input, args.output, args.to, dtype=args.dtype, force=args.force, coca=args.coca)
+    except ValueError as error:
+        print(f"convert_checkpoint: error: {error}", file=sys.stderr)
+        return 2
+    position = result.config.model.position
+    scheme = position.scheme + (f" ({position.constraint})" if position.scheme == "coca" else "")
+    print(f"{args.input} ({result.source_kind}) -> {result.output} (--to {args.to}, {args.dtype}, scheme {scheme})")
+    if args.to == "hf":
+        remote = ", trust_remote_code=True" if result.needs_remote_code else ""
+        print(f"load with: AutoModelForCausalLM.from_pretrained({str(result.output)!r}{remote})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
