@@ -1,0 +1,200 @@
+"""Training throughput: our GPT vs Hugging Face GPTNeoXForCausalLM, and CoCA vs RoPE, in one run.
+
+One step = forward, float32 cross entropy, backward, AdamW step — the same plain-PyTorch step for
+every model, so the ratios compare the models, not the loops. Models are timed in interleaved
+rounds (A B C D, A B C D, ...) and the median per model is reported, so machine noise hits all of
+them alike. With CUDA, the 350M config is also timed in bf16 for tokens/s, TFLOP/s and MFU.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lite import config as config_lib
+from megatron_lite.config import Config
+from megatron_lite.model import GPT, language_model_loss
+from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
+
+# label -> (our scheme, constraint) or "hf"
+MODELS: dict[str, tuple[str, str] | str] = {
+    "hf_gpt_neox_rope": "hf",
+    "ours_rope": ("rope", "slack"),
+    "ours_coca_slack": ("coca", "slack"),
+    "ours_coca_strict": ("coca", "strict"),
+}
+
+
+@dataclass
+class TrainBenchSettings:
+    config_path: str = "configs/tiny/rope.yml"
+    batch_size: int = 16
+    rounds: int = 5
+    steps_per_round: int = 3
+    warmup_steps: int = 2
+    threads: int | None = None
+    seed: int = 1234
+    gpu_config_path: str = "configs/coca_350m.yml"
+    gpu_batch_size: int = 16
+
+
+@dataclass
+class TrainBenchResult:
+    settings: dict[str, Any]
+    meta: dict[str, Any]
+    records: list[dict[str, Any]] = field(default_factory=list)
+    ratios: dict[str, float] = field(default_factory=dict)
+    gpu: dict[str, Any] | None = None
+
+
+def hf_gpt_neox(config: Config) -> torch.nn.Module:
+    """A stock transformers GPTNeoXForCausalLM with our dimensions (parallel residual, untied, SDPA)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    model = config.model
+    hf_config = GPTNeoXConfig(
+        vocab_size=model.padded_vocab_size, hidden_size=model.hidden_size, num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads, intermediate_size=model.ffn_size, hidden_act="gelu",
+        max_position_embeddings=model.max_positions, layer_norm_eps=model.layernorm_epsilon,
+        use_parallel_residual=model.gpt_j_residual, tie_word_embeddings=not model.no_weight_tying,
+        attention_dropout=0.0, hidden_dropout=0.0,
+        rope_parameters={"rope_type": "default", "rope_theta": model.position.rotary_emb_base,
+                         "partial_rotary_factor": model.position.rotary_pct},
+    )
+    hf_config._attn_implementation = "sdpa"
+    return GPTNeoXForCausalLM(hf_config)
+
+
+def _step_fn(model: torch.nn.Module, is_hf: bool, batch: torch.Tensor) -> Callable[[], None]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    inputs, labels = batch[:, :-1], batch[:, 1:]  # (B, T)
+
+    def step() -> None:
+        logits = model(inputs).logits if is_hf else model(inputs)  # (B, T, V)
+        loss = language_model_loss(logits, labels) if not is_hf else F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _build(label: str, config: Config) -> tuple[torch.nn.Module, bool]:
+    spec = MODELS[label]
+    torch.manual_seed(config.seed)
+    if spec == "hf":
+        return hf_gpt_neox(config).train(), True
+    scheme, constraint = spec
+    variant = config_lib.from_dict(config_lib.apply_overrides(
+        config_lib.to_dict(config), [f"model.position.scheme={scheme}", f"model.position.constraint={constraint}"]))
+    return GPT(variant.model).train(), False
+
+
+def run_cpu_comparison(settings: TrainBenchSettings, progress: Callable[[str], None] = print) -> TrainBenchResult:
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    config = config_lib.load(settings.config_path)
+    model_config = config.model
+    tokens_per_step = settings.batch_size * model_config.seq_length
+    batch = torch.randint(0, model_config.vocab_size, (settings.batch_size, model_config.seq_length + 1),
+                          generator=torch.Generator().manual_seed(settings.seed))
+    steps: dict[str, Callable[[], None]] = {}
+    parameters: dict[str, int] = {}
+    for label in MODELS:
+        model, is_hf = _build(label, config)
+        parameters[label] = sum(p.numel() for p in model.parameters())
+        steps[label] = _step_fn(model, is_hf, batch)
+        for _ in range(settings.warmup_steps):
+            steps[label]()
+    times: dict[str, list[float]] = {label: [] for label in MODELS}
+    for round_index in range(settings.rounds):
+        for label, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(settings.steps_per_round):
+                step()
+            times[label].append((time.perf_counter() - start) / settings.steps_per_round)
+        progress(f"round {round_index + 1}/{settings.rounds}: " + ", ".join(
+            f"{label} {times[label][-1] * 1e3:.0f} ms" for label in MODELS))
+    result = TrainBenchResult(
+        settings=settings.__dict__.copy(),
+        meta={"device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
+              "machine": platform.machine(), "tokens_per_step": tokens_per_step,
+              "model": {"layers": model_config.num_layers, "hidden": model_config.hidden_size,
+                        "heads": model_config.num_attention_heads, "seq_length": model_config.seq_length,
+                        "padded_vocab": model_config.padded_vocab_size}},
+    )
+    for label in MODELS:
+        seconds = statistics.median(times[label])
+        result.records.append({"model": label, "parameters": parameters[label], "step_ms": seconds * 1e3,
+                               "tokens_per_sec": tokens_per_step / seconds})
+    speed = {r["model"]: r["tokens_per_sec"] for r in result.records}
+    result.ratios = {
+        "ours_rope_vs_hf": speed["ours_rope"] / speed["hf_gpt_neox_rope"],
+        "coca_slack_vs_rope": speed["ours_coca_slack"] / speed["ours_rope"],
+        "coca_strict_vs_rope": speed["ours_coca_strict"] / speed["ours_rope"],
+    }
+    return result
+
+
+def run_gpu_mfu(settings: TrainBenchSettings, steps: int = 10) -> dict[str, Any]:
+    """Tokens/s, TFLOP/s and MFU of the 350M config at seq 512 in bf16 on one GPU (plain PyTorch step)."""
+    config = config_lib.load(settings.gpu_config_path, ["precision=bf16"])
+    device = torch.device("cuda")
+    torch.manual_seed(config.seed)
+    with device:
+        model = GPT(config.model).to(torch.bfloat16).train()
+    batch = torch.randint(0, config.model.vocab_size, (settings.gpu_batch_size, config.model.seq_length + 1), device=device)
+    step = _step_fn(model, False, batch)
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / steps
+    tokens = settings.gpu_batch_size * config.model.seq_length
+    tflops = model_flops_per_token(config.model) * tokens / seconds / 1e12
+    name = torch.cuda.get_device_name()
+    peak = next((value for key, value in KNOWN_PEAK_TFLOPS.items() if key in name), None)
+    return {"device": name, "config": settings.gpu_config_path, "batch": settings.gpu_batch_size,
+            "seq_length": config.model.seq_length, "tokens_per_sec": tokens / seconds, "tflops": tflops,
+            "mfu": tflops / peak if peak else None, "peak_tflops": peak,
+            "max_memory_gb": torch.cuda.max_memory_allocated() / 1e9}
+
+
+def format_report(result: TrainBenchResult) -> str:
+    meta = result.meta
+    model = meta["model"]
+    lines = [
+        f"Training throughput on {meta['device']} ({meta['machine']}, torch {meta['torch']}, {meta['threads']} threads): "
+        f"{model['layers']} layers, hidden {model['hidden']}, {model['heads']} heads, seq {model['seq_length']}, "
+        f"vocab {model['padded_vocab']}, batch {meta['tokens_per_step'] // model['seq_length']}; fp32; median of "
+        f"{result.settings['rounds']} interleaved rounds of {result.settings['steps_per_round']} steps.",
+        "",
+        "| model | parameters | step ms | tokens/s |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [f"| {r['model']} | {r['parameters']:,} | {r['step_ms']:.1f} | {r['tokens_per_sec']:,.0f} |"
+              for r in result.records]
+    targets = {"ours_rope_vs_hf": 1.0, "coca_slack_vs_rope": 0.95, "coca_strict_vs_rope": 0.95}
+    lines += ["", "| ratio | value | target | |", "|---|---:|---:|---|"]
+    lines += [f"| {name} | {value:.3f} | ≥ {targets[name]:.2f} | {'PASS' if value >= targets[name] else 'FAIL'} |"
+              for name, value in result.ratios.items()]
+    if result.gpu is not None:
+        gpu = result.gpu
+        mfu = f"{gpu['mfu']:.1%}" if gpu["mfu"] is not None else "n/a (unknown peak)"
+        lines += ["", f"GPU {gpu['device']}: {gpu['config']} bf16, batch {gpu['batch']} x {gpu['seq_length']}: "
+                      f"{gpu['tokens_per_sec']:,.0f} tokens/s, {gpu['tflops']:.1f} TFLOP/s, MFU {mfu}, "
+                      f"peak memory {gpu['max_memory_gb']:.1f} GB"]
+    else:
+        lines += ["", "GPU: not measured (no CUDA device)."]
+    return "\n".join(lines) + "\n"

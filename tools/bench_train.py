@@ -1,0 +1,57 @@
+#!/usr/bin/env python
+"""Training-throughput benchmark: our tiny RoPE GPT vs Hugging Face GPTNeoXForCausalLM of identical
+dimensions and batch (target >= 1.0x), our CoCA slack/strict vs our RoPE (target >= 0.95x); with a GPU,
+tokens/s, TFLOP/s and MFU of the 350M config in bf16.
+
+    python tools/bench_train.py [--json OUT.json] [--config configs/tiny/rope.yml] [--rounds 5]
+
+The logic lives in megatron_lite/bench/train_bench.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from megatron_lite.bench.train_bench import TrainBenchSettings, format_report, run_cpu_comparison, run_gpu_mfu
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT.json")
+    parser.add_argument("--config", default="configs/tiny/rope.yml", help="model dimensions for the CPU comparison")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (median reported)")
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--gpu-config", default="configs/coca_350m.yml", help="config timed on the GPU, if any")
+    parser.add_argument("--gpu-batch-size", type=int, default=16)
+    parser.add_argument("--no-gpu", action="store_true", help="skip the GPU measurement")
+    args = parser.parse_args(argv)
+    for name in ("batch_size", "rounds", "steps_per_round", "gpu_batch_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    settings = TrainBenchSettings(config_path=args.config, batch_size=args.batch_size, rounds=args.rounds,
+                                  steps_per_round=args.steps_per_round, threads=args.threads,
+                                  gpu_config_path=args.gpu_config, gpu_batch_size=args.gpu_batch_size)
+    try:
+        result = run_cpu_comparison(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        if torch.cuda.is_available() and not args.no_gpu:
+            result.gpu = run_gpu_mfu(settings)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(format_report(result), end="")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result.__dict__, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
