@@ -1,0 +1,57 @@
+"""In-process pieces of the training loop: resume compatibility warnings, wandb fallback, FLOPs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_lite import config as config_lib
+from megatron_lite.model.params import analytic_parameter_count
+from megatron_lite.training.checkpointing import check_resume_compatible
+from megatron_lite.training.metrics import MetricsLogger, model_flops_per_token, plot_loss_curve
+
+
+def _saved_step_dir(tmp_path: Path, overrides: list[str]) -> Path:
+    step_dir = tmp_path / "checkpoints" / "step_00000010"
+    step_dir.mkdir(parents=True)
+    config_lib.save(config_lib.load("configs/tiny/rope.yml", overrides), step_dir / "config.yml")
+    return step_dir
+
+
+def test_schedule_changes_on_resume_warn(tmp_path: Path) -> None:
+    step_dir = _saved_step_dir(tmp_path, [])
+    changed = config_lib.load("configs/tiny/rope.yml", ["train.lr=5.0e-4", "train.train_iters=900"])
+    with pytest.warns(UserWarning) as caught:
+        check_resume_compatible(step_dir, changed)
+    messages = " ".join(str(w.message) for w in caught)
+    assert "train.lr changed from 0.002 to 0.0005" in messages and "train.train_iters changed from 300 to 900" in messages
+
+
+def test_shape_change_on_resume_is_refused(tmp_path: Path) -> None:
+    step_dir = _saved_step_dir(tmp_path, [])
+    with pytest.raises(ValueError, match=r"layers\.4\.attention\.query_key_value\.weight: checkpoint None"):
+        check_resume_compatible(step_dir, config_lib.load("configs/tiny/rope.yml", ["model.num_layers=5"]))
+
+
+def test_wandb_online_without_key_falls_back_to_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    config = config_lib.load("configs/tiny/rope.yml", ["train.wandb.mode=online", "train.wandb.project=unit"])
+    with pytest.warns(UserWarning, match="logging offline instead"):
+        logger = MetricsLogger(config, tmp_path, enabled=True)
+    try:
+        assert logger._wandb is not None and logger._wandb.settings.mode == "offline"
+        logger.log({"step": 1, "loss": 2.0, "lr": 1e-3})
+    finally:
+        logger.close()
+    assert (tmp_path / "wandb").is_dir()
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+    assert plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png", "unit") == tmp_path / "curve.png"
+
+
+def test_flops_per_token_follows_the_palm_convention() -> None:
+    model = config_lib.load("configs/coca_350m.yml").model
+    matmul_params = analytic_parameter_count(model) - model.padded_vocab_size * model.hidden_size
+    assert model_flops_per_token(model) == 6 * matmul_params + 12 * 24 * 1024 * 512
