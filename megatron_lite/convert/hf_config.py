@@ -131,7 +131,7 @@ def model_section_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"config.json rope_parameters.rope_type={kind!r}: supported are default, linear, dynamic, yarn")
     vocab_size = int(hf["vocab_size"])
     position: dict[str, Any] = {"scheme": scheme, "scaling": scaling, "rotary_emb_base": float(rope["rope_theta"])}
-    if scheme in ("rope", "coca"):
+    if scheme != "none":  # written for every scheme by our exporter; only rope/coca use it
         position["rotary_pct"] = rotary_pct
     if scheme == "coca":
         position["constraint"] = hf.get("coca_constraint", "slack")

@@ -38,7 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -297,7 +297,13 @@ class MegatronLiteLayer(nn.Module):
         self.mlp = MegatronLiteMLP(config)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x_BTC, rotary, mask, cache):  # type: ignore[no-untyped-def]
+    def forward(
+        self,
+        x_BTC: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        mask: torch.Tensor | None,
+        cache: Cache | None,
+    ) -> torch.Tensor:
         attn_BTC = self.hidden_dropout(self.attention(self.input_layernorm(x_BTC), rotary, mask, cache))
         if self.use_parallel_residual:  # x + attn(ln1(x)) + mlp(ln2(x))
             return x_BTC + attn_BTC + self.hidden_dropout(self.mlp(self.post_attention_layernorm(x_BTC)))
@@ -429,7 +435,7 @@ class MegatronLiteForCausalLM(MegatronLitePreTrainedModel, GenerationMixin):
             )
         return CausalLMOutputWithPast(loss=loss, logits=logits_BTV, past_key_values=outputs.past_key_values)
 
-    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):  # type: ignore[no-untyped-def]
+    def generate(self, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None, **kwargs):
         """Fix the dynamic-NTK base for the whole generation from its final length (prompt + new tokens)."""
         if self.config.position_scheme in ROTARY_SCHEMES and self.config.rope_parameters.get("rope_type") == "dynamic" \
                 and kwargs.get("rope_length") is None:
