@@ -191,10 +191,12 @@ def test_remote_code_export_is_self_contained(tmp_path: Path) -> None:
         transformers.AutoModelForCausalLM.from_pretrained(out, trust_remote_code=False)
 
 
-def test_exported_tokenizer_matches_sentencepiece(tmp_path: Path, tokenizer_path: Path) -> None:
-    config = converter_config("rope")
+@pytest.mark.parametrize("scheme", ["rope", "coca"])
+def test_exported_tokenizer_matches_sentencepiece(tmp_path: Path, tokenizer_path: Path, scheme: str) -> None:
+    """AutoTokenizer reads config.json first, so remote-code exports pass trust_remote_code there too."""
+    config = converter_config(scheme)
     out = export(random_model(config), config, tmp_path / "hf", tokenizer_path)
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=scheme == "coca")
     ours = Tokenizer(tokenizer_path)
     assert (hf_tokenizer.eos_token_id, hf_tokenizer.pad_token_id, hf_tokenizer.unk_token_id) == (0, 1, 2)
     assert [hf_tokenizer.convert_ids_to_tokens(i) for i in range(3)] == ["<|endoftext|>", "<|pad|>", "<unk>"]
