@@ -176,3 +176,13 @@ def test_config_errors_are_one_line(training_corpus, tmp_path: Path, change: dic
     error_lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(error_lines) == 1 and expected in error_lines[0], result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_init_from_starts_with_the_given_weights(training_corpus, baseline: Path, tmp_path: Path) -> None:
+    mix, cache = training_corpus
+    config = write_config(tmp_path / "config.yml", tiny_train_config(
+        mix, cache, train_iters=2, eval_interval=0, save_interval=0, init_from=str(baseline)))
+    result = run_train(config, tmp_path / "run")
+    assert "initialised weights from" in result.stdout
+    # Step 1 sees the same first batch as the baseline's step 1, now with trained weights.
+    assert train_losses(tmp_path / "run")[1] < train_losses(baseline)[8] + 0.3 < train_losses(baseline)[1]

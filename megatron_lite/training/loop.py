@@ -152,6 +152,10 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
     torch.manual_seed(config.seed)
     with torch.device(dist_info.device):
         model = GPT(config.model)  # fp32 master weights; DeepSpeed casts for bf16/fp16
+    if resume_dir is None and config.train.init_from:
+        _load_initial_weights(model, config)
+        if dist_info.is_main:
+            metrics_lib.console(f"initialised weights from {config.train.init_from}")
     optimizer = build_optimizer(model, config.train)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                       config=deepspeed_config(config, dist_info.world_size))
@@ -258,6 +262,20 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
         curve = metrics_lib.plot_loss_curve(logger.path, run_dir / "loss_curve.png", f"{run_dir.name}: loss")
         _print_summary(result, run_dir, curve)
     return result
+
+
+def _load_initial_weights(model: GPT, config: Config) -> None:
+    """train.init_from: weights only, strict; the shapes must match the config."""
+    state, _, _ = layout.load_state_dict(config.train.init_from)
+    try:
+        incompatible = model.load_state_dict(state, strict=False)
+    except RuntimeError as error:  # size mismatches
+        raise ValueError(f"train.init_from={config.train.init_from}: weights do not match the config: {error}") from None
+    problems = [f"missing {name}" for name in incompatible.missing_keys]
+    problems += [f"unexpected {name}" for name in incompatible.unexpected_keys]
+    if problems:
+        raise ValueError(f"train.init_from={config.train.init_from}: weights do not match the config: "
+                         + ", ".join(problems[:8]))
 
 
 def _progress_bar(dist_info: DistributedInfo, start: int, total: int) -> Any:

@@ -52,6 +52,11 @@ class FaultInjectionConfig:
 class TrainConfig:
     """Optimisation and run management (``train.*``)."""
 
+    init_from: str | None = _doc(
+        "Start from these weights (a run, step or consolidated dir, e.g. tools/convert_checkpoint.py --to "
+        "megatron_lite output); optimizer, step and data position start fresh. Ignored when resuming.",
+        default=None,
+    )
     train_iters: int | None = _doc(
         "Optimizer steps; null means derived from train_epochs over the data mix.", default=None
     )
