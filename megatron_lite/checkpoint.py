@@ -158,6 +158,18 @@ def load_state_dict(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
     return state, config, tokenizer if tokenizer.is_file() else None
 
 
+def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], context: str) -> None:
+    """Strict load; one ValueError (prefixed by ``context``) listing missing, unexpected and mis-shaped tensors."""
+    own = model.state_dict()
+    problems = [f"missing {name}" for name in own if name not in state]
+    problems += [f"unexpected {name}" for name in state if name not in own]
+    problems += [f"{name} has shape {tuple(state[name].shape)}, expected {tuple(own[name].shape)}"
+                 for name in own if name in state and state[name].shape != own[name].shape]
+    if problems:
+        raise ValueError(f"{context}: {', '.join(problems)}")
+    model.load_state_dict(state)
+
+
 @dataclass
 class LoadedModel:
     model: Any  # megatron_lite.model.GPT, in eval mode
@@ -180,11 +192,7 @@ def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu",
         config = config_lib.from_dict(config_lib.apply_overrides(config_lib.to_dict(config), overrides))
     with torch.device(device):
         model = GPT(config.model)
-    incompatible = model.load_state_dict(state, strict=False)
-    problems = [f"missing {name}" for name in incompatible.missing_keys]
-    problems += [f"unexpected {name}" for name in incompatible.unexpected_keys]
-    if problems:
-        raise ValueError(f"{path}: checkpoint does not match its config: {', '.join(problems)}")
+    load_weights(model, state, f"{path}: checkpoint does not match its config")
     model = model.to(dtype or torch.float32).eval()
     return LoadedModel(model, config, tokenizer, resolve_checkpoint(path))
 

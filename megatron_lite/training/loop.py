@@ -127,6 +127,10 @@ class _Throughput:
         self.time = time.perf_counter()
         self.steps = 0
 
+    def exclude_since(self, start: float) -> None:
+        """Evaluation and checkpoint time is not training time."""
+        self.time += time.perf_counter() - start
+
     def take(self) -> tuple[float, int]:
         now = time.perf_counter()
         elapsed, steps = now - self.time, self.steps
@@ -240,6 +244,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
             last = state.step == data.total_steps
             exit_now = bool(train.exit_interval) and state.step % train.exit_interval == 0 and not last
             stopping = stop_ranks > 0 or exit_now
+            side_work_start = time.perf_counter()
             if valid_loader is not None and train.eval_interval and (state.step % train.eval_interval == 0 or last):
                 result.val_loss = _run_eval(engine, valid_loader, train.eval_iters, dist_info, logger, state.step,
                                             data.total_steps)
@@ -249,6 +254,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
                 result.last_checkpoint = saved or result.last_checkpoint
                 if saved and dist_info.is_main:
                     metrics_lib.console(f"saved checkpoint {saved}")
+            throughput.exclude_since(side_work_start)
             if stopping:
                 reason = "train.exit_interval" if exit_now else stop.signal_name or "a signal on another rank"
                 if dist_info.is_main:
@@ -265,17 +271,9 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
 
 
 def _load_initial_weights(model: GPT, config: Config) -> None:
-    """train.init_from: weights only, strict; the shapes must match the config."""
+    """train.init_from: weights only; every tensor must match the config."""
     state, _, _ = layout.load_state_dict(config.train.init_from)
-    try:
-        incompatible = model.load_state_dict(state, strict=False)
-    except RuntimeError as error:  # size mismatches
-        raise ValueError(f"train.init_from={config.train.init_from}: weights do not match the config: {error}") from None
-    problems = [f"missing {name}" for name in incompatible.missing_keys]
-    problems += [f"unexpected {name}" for name in incompatible.unexpected_keys]
-    if problems:
-        raise ValueError(f"train.init_from={config.train.init_from}: weights do not match the config: "
-                         + ", ".join(problems[:8]))
+    layout.load_weights(model, state, f"train.init_from={config.train.init_from}: weights do not match the config")
 
 
 def _progress_bar(dist_info: DistributedInfo, start: int, total: int) -> Any:
