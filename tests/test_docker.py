@@ -365,7 +365,6 @@ def run_at_scale_section() -> str:
     text = (REPO / "README.md").read_text()
     start = text.index("\n## Run at scale\n")
     end = text.index("\n## ", start + 1)
-    assert text[end:].startswith("\n## Tests\n"), "the Run at scale section sits right before ## Tests"
     return text[start:end]
 
 
