@@ -134,6 +134,15 @@ def test_attention_backend_choice(workspace: dict[str, Path], capsys: pytest.Cap
     assert "attention backend chunked, chunk size 64" in capsys.readouterr().err
 
 
+def test_config_overrides_reach_every_checkpoint(workspace: dict[str, Path], tmp_path: Path) -> None:
+    tool = load_tool()
+    assert tool.main(["--checkpoints", str(workspace["rope"]), "--out", str(tmp_path), "--passkey-lengths", "210",
+                      "--passkey-cases", "1", "--set", "model.position.scheme=coca", "--quiet"]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["models"]["rope"]["scheme"] == "coca slack" and results["settings"]["overrides"] == [
+        "model.position.scheme=coca"]
+
+
 @pytest.mark.parametrize("model,advice", [("rope", "--attention-backend chunked"), ("alibi", "--chunk-size")])
 def test_out_of_memory_names_the_flag_to_change(workspace: dict[str, Path], tmp_path: Path, model: str, advice: str,
                                                 monkeypatch: pytest.MonkeyPatch,
@@ -158,6 +167,7 @@ def test_out_of_memory_names_the_flag_to_change(workspace: dict[str, Path], tmp_
     (["--scaling", "linear:0.5"], "--scaling"),
     (["--windows", "32,x"], "--windows"),
     (["--passkey-lengths", "100"], "--passkey-lengths"),
+    (["--set", "model.hiden_size=3"], "model.hiden_size"),
 ])
 def test_flag_errors(workspace: dict[str, Path], tmp_path: Path, extra: list[str], flag: str,
                      capsys: pytest.CaptureFixture[str]) -> None:

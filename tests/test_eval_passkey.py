@@ -4,7 +4,6 @@ generation loop end to end with stand-in models that do / do not copy the key (a
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 import torch

@@ -19,7 +19,8 @@ from megatron_lite.model import build_model, language_model_loss
 
 WORDS = ("the of and to in was he it that his her with as had for she at on by which not be this from "
          "but they were all said one so there when an their been would my old man house night door").split()
-GUTENBERG_HEADER = "The Project Gutenberg eBook of A Test\r\n\r\n*** START OF THE PROJECT GUTENBERG EBOOK A TEST ***\r\n"
+GUTENBERG_HEADER = ("The Project Gutenberg eBook of A Test\r\n\r\n"
+                    "*** START OF THE PROJECT GUTENBERG EBOOK A TEST ***\r\n")
 GUTENBERG_FOOTER = "\r\n*** END OF THE PROJECT GUTENBERG EBOOK A TEST ***\r\nLicence text that must not be scored.\r\n"
 
 

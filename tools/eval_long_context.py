@@ -47,9 +47,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--attention-backend", default="auto",
-                        help="auto (chunked for ALiBi, fused causal sdpa otherwise) | sdpa | chunked | flash | reference")
+                        help="auto (chunked for ALiBi, fused causal sdpa otherwise) | sdpa | chunked | flash | "
+                             "reference")
     parser.add_argument("--chunk-size", type=int, default=1024, help="query block of the chunked backend")
     parser.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the checkpoint's)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a key of every checkpoint's config (must keep parameter shapes), "
+                             "e.g. --set model.position.constraint=strict")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
     return parser.parse_args(argv)
 
@@ -62,7 +66,7 @@ def settings_from_args(args: argparse.Namespace) -> LongContextSettings:
         passkey_lengths=parse_int_list(args.passkey_lengths, "--passkey-lengths") if args.passkey_lengths else [],
         passkey_cases=args.passkey_cases, scalings=parse_scaling_list(args.scaling), seed=args.seed,
         batch_size=args.batch_size, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
-        chunk_size=args.chunk_size, tokenizer=args.tokenizer, progress=not args.quiet,
+        chunk_size=args.chunk_size, tokenizer=args.tokenizer, overrides=args.set, progress=not args.quiet,
     )
 
 

@@ -24,7 +24,7 @@ from megatron_lite import config as config_lib
 from megatron_lite.checkpoint import LoadedModel, load_model, resolve_checkpoint
 from megatron_lite.data.tokenizer import Tokenizer
 from megatron_lite.eval.documents import EvalDocuments, load_documents
-from megatron_lite.eval.passkey import PasskeyPromptBuilder, run_passkey, summarize_cases
+from megatron_lite.eval.passkey import NUM_NEW_TOKENS, PasskeyPromptBuilder, run_passkey, summarize_cases
 from megatron_lite.eval.perplexity import num_windows, sliding_window_perplexity
 from megatron_lite.eval.report import write_reports
 from megatron_lite.eval.results_cache import ResultCache, checkpoint_fingerprint, fingerprint
@@ -56,6 +56,7 @@ class LongContextSettings:
     attention_backend: str = "auto"
     chunk_size: int = 1024
     tokenizer: str | None = None
+    overrides: list[str] = field(default_factory=list)  # --set KEY=VALUE applied to every checkpoint's config
     progress: bool = True
 
 
@@ -193,7 +194,6 @@ class LongContextEvaluation:
         self.perplexity_rows: list[dict[str, Any]] = []
         self.passkey_rows: list[dict[str, Any]] = []
         self.passkey_cases: list[dict[str, Any]] = []
-        self.document_summaries: dict[str, dict[str, Any]] = {}
 
     def log(self, message: str) -> None:
         if self.settings.progress:
@@ -203,7 +203,7 @@ class LongContextEvaluation:
     def load(self, entry: ModelEntry) -> tuple[GPT, Tokenizer]:
         settings = self.settings
         if entry.loaded is None:
-            entry.loaded = load_model(entry.path, settings.device, DTYPES[settings.dtype])
+            entry.loaded = load_model(entry.path, settings.device, DTYPES[settings.dtype], settings.overrides or None)
             entry.choice = choose_attention(entry.loaded.config, settings.attention_backend, settings.chunk_size,
                                             settings.device)
             entry.model = with_attention(entry.loaded, entry.choice)
@@ -234,7 +234,7 @@ class LongContextEvaluation:
     def fingerprint(self, entry: ModelEntry, kind: str) -> str:
         settings = self.settings
         common = {"checkpoint": checkpoint_fingerprint(resolve_checkpoint(entry.path)),
-                  "tokenizer": settings.tokenizer, "dtype": settings.dtype}
+                  "tokenizer": settings.tokenizer, "dtype": settings.dtype, "overrides": settings.overrides}
         if kind == "ppl":
             common.update(docs=settings.ppl_docs, split=settings.split, text_field=settings.text_field,
                           strip_gutenberg=settings.strip_gutenberg, max_doc_tokens=settings.max_doc_tokens,
@@ -271,7 +271,8 @@ class LongContextEvaluation:
             if settings.ppl_docs is not None:
                 for window in settings.windows:
                     if info["max_length"] is not None and window > info["max_length"]:
-                        self.log(f"{entry.name}: window {window} skipped (learned positions end at {info['max_length']})")
+                        self.log(f"{entry.name}: window {window} skipped (learned positions end at "
+                                 f"{info['max_length']})")
                         continue
                     result = self.cache.get("ppl", entry.name, spec.name, window, ppl_key)
                     if result is None:
@@ -279,8 +280,9 @@ class LongContextEvaluation:
                         self.cache.put("ppl", entry.name, spec.name, window, ppl_key, result)
                     self.perplexity_rows.append(result)
             for length in settings.passkey_lengths:
-                if info["max_length"] is not None and length + 64 > info["max_length"]:
-                    self.log(f"{entry.name}: passkey length {length} skipped (learned positions end at {info['max_length']})")
+                if info["max_length"] is not None and length + NUM_NEW_TOKENS > info["max_length"]:
+                    self.log(f"{entry.name}: passkey length {length} skipped (learned positions end at "
+                             f"{info['max_length']})")
                     continue
                 result = self.cache.get("passkey", entry.name, spec.name, length, passkey_key)
                 if result is None:
@@ -318,7 +320,8 @@ class LongContextEvaluation:
         row = {"model": entry.name, "scaling": spec.name, "window": window, "ppl": result.perplexity,
                "tokens": result.num_tokens, "documents": len(documents.token_ids),
                "documents_skipped": documents.num_too_short}
-        self.log(f"{entry.name} {spec.name} window {window}: ppl {result.perplexity:.3f} over {result.num_tokens:,} tokens")
+        self.log(f"{entry.name} {spec.name} window {window}: ppl {result.perplexity:.3f} over "
+                 f"{result.num_tokens:,} tokens")
         return row
 
     def passkey(self, entry: ModelEntry, spec: ScalingSpec, length: int) -> dict[str, Any]:
@@ -353,6 +356,9 @@ class LongContextEvaluation:
             raise ValueError(f"--checkpoints: model names repeat ({', '.join(names)}); name them NAME=PATH")
         for entry in entries:
             self.evaluate_model(entry)
+            entry.model = None  # free the weights before the next model (info and choice stay)
+            if entry.loaded is not None:
+                entry.loaded.model = None
         results = {
             "perplexity": self.perplexity_rows,
             "passkey": self.passkey_rows,

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 NUM_DEPTH_BINS = 10
+LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1))]
+MARKERS = ["o", "s", "^", "v", "D", "x"]
 
 
 def _row_keys(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -24,7 +26,11 @@ def _row_keys(rows: Sequence[dict[str, Any]]) -> list[tuple[str, str]]:
 def format_ppl(value: float | None) -> str:
     if value is None or value != value:
         return "–"
-    return f"{value:.2f}" if value < 1000 else f"{value:.3g}"
+    if value < 100:
+        return f"{value:.2f}"
+    if value < 1e5:
+        return f"{value:,.0f}" if value >= 1000 else f"{value:.1f}"
+    return f"{value:.2e}"
 
 
 def format_percent(value: float | None) -> str:
@@ -73,7 +79,8 @@ def tables_markdown(results: dict[str, Any]) -> str:
         first = results["perplexity"][0]
         parts.append(f"### Sliding-window perplexity (stride {settings.get('stride')}; {first['documents']} documents "
                      f"truncated to {settings.get('max_doc_tokens'):,} tokens, {first['documents_skipped']} shorter "
-                     "skipped; columns = context window in tokens)\n\n" + perplexity_table(results["perplexity"], models))
+                     "skipped; columns = context window in tokens)\n\n"
+                     + perplexity_table(results["perplexity"], models))
     if results["passkey"]:
         cases = results["passkey"][0]["cases"]
         parts.append(f"### Passkey retrieval accuracy, % ({cases} cases per length; columns = prompt length in "
@@ -99,10 +106,17 @@ def _pyplot() -> Any:
 def plot_perplexity(results: dict[str, Any], path: Path) -> None:
     plt = _pyplot()
     rows = results["perplexity"]
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for model, scaling in _row_keys(rows):
+    figure, axes = plt.subplots(figsize=(8.5, 4.5))
+    keys = _row_keys(rows)
+    models = list(dict.fromkeys(model for model, _ in keys))
+    scalings = list(dict.fromkeys(scaling for _, scaling in keys))
+    colors = plt.get_cmap("tab10").colors
+    for model, scaling in keys:  # colour = model, line style and marker = scaling
         points = sorted((r["window"], r["ppl"]) for r in rows if r["model"] == model and r["scaling"] == scaling)
-        axes.plot([w for w, _ in points], [p for _, p in points], marker="o", label=f"{model} ({scaling})")
+        style = scalings.index(scaling)
+        axes.plot([w for w, _ in points], [p for _, p in points], color=colors[models.index(model) % len(colors)],
+                  linestyle=LINE_STYLES[style % len(LINE_STYLES)], marker=MARKERS[style % len(MARKERS)],
+                  markersize=4, label=f"{model} ({scaling})")
     for train_length in sorted({info["train_length"] for info in results.get("models", {}).values()}):
         axes.axvline(train_length, color="grey", linestyle="--", linewidth=0.8)
     from matplotlib.ticker import FormatStrFormatter, NullFormatter
@@ -120,7 +134,7 @@ def plot_perplexity(results: dict[str, Any], path: Path) -> None:
     axes.set_ylabel("perplexity (log scale)")
     axes.set_title("Sliding-window perplexity")
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=7)
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
