@@ -1,0 +1,154 @@
+"""Train ALiBi / RoPE / CoCA slack / CoCA strict models that differ only in the position scheme,
+then measure their long-context extrapolation (the CoCA paper's Tables 1-3 at tiny scale).
+
+Phases, each timed (``OUT/wall_times.json`` keeps every invocation, so a resumed run adds up):
+
+1. ``data``: write ``OUT/data/mix.yml`` (75% Gutenberg books with their headers stripped / 25%
+   Python stdlib sources, by tokens) and build the tokenizer and shards in ``OUT/data/cache``.
+2. ``train <scheme>``: ``python train.py --config configs/tiny/repro_<scheme>.yml --run-dir
+   OUT/runs/<scheme> --resume auto``, logged to ``OUT/logs/train_<scheme>.log``. A model whose
+   latest complete checkpoint is at ``train_iters`` is skipped; an interrupted one resumes.
+3. ``perplexity <scheme>`` / ``passkey <scheme>``: the long-context evaluation library
+   (megatron_lite.eval.long_context) with no scaling and dynamic NTK; every (scaling, window)
+   result is cached under ``OUT/eval/<scheme>/{perplexity,passkey}/cache``, so a re-run is cheap.
+4. ``report``: ``OUT/results.json``, ``OUT/tables.md`` and the plots (megatron_lite.repro.report).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_lite import checkpoint as layout
+from megatron_lite.repro.settings import (ReproSettings, absolute, load_scheme_configs, log, planned_train_iters,
+                                          run_dir, validate_settings, write_mix)
+from megatron_lite.repro.training import train_scheme
+
+
+def scaling_names(settings: ReproSettings) -> list[str]:
+    return ["none", *(f"dynamic:{factor:g}" for factor in settings.ntk_factors)]
+
+
+def _evaluate(settings: ReproSettings, scheme: str, kind: str, stride: int) -> dict[str, Any]:
+    from megatron_lite.eval.long_context import LongContextSettings, run_long_context_eval
+    from megatron_lite.eval.scaling import parse_scaling_list
+
+    out_dir = settings.out_dir / "eval" / scheme / kind
+    base = LongContextSettings(checkpoints=[f"{scheme}={run_dir(settings, scheme)}"], out_dir=out_dir,
+                               scalings=parse_scaling_list(",".join(scaling_names(settings))), seed=settings.seed,
+                               batch_size=settings.batch_size, progress=settings.progress)
+    if kind == "perplexity":
+        eval_settings = replace(base, ppl_docs=str(settings.eval_books), windows=list(settings.windows), stride=stride,
+                                max_doc_tokens=settings.max_doc_tokens, max_docs=settings.max_docs,
+                                strip_gutenberg=True)
+    else:
+        eval_settings = replace(base, passkey_lengths=list(settings.passkey_lengths),
+                                passkey_cases=settings.passkey_cases)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        results = run_long_context_eval(eval_settings)
+    finally:
+        torch.set_num_threads(threads)
+    cases_path = out_dir / "passkey_cases.json"
+    results["passkey_cases"] = json.loads(cases_path.read_text()) if cases_path.is_file() else []
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# Wall time
+
+
+class PhaseClock:
+    """Seconds per phase of this invocation, appended to a history file after every phase."""
+
+    def __init__(self, history_path: Path, settings: ReproSettings) -> None:
+        self.history_path = history_path
+        self.settings = settings
+        self.history: list[dict[str, Any]] = json.loads(history_path.read_text()) if history_path.is_file() else []
+        self.current: dict[str, float] = {}
+        self.history.append({"started": datetime.datetime.now().isoformat(timespec="seconds"), "phases": self.current})
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - start
+            self.current[name] = round(self.current.get(name, 0.0) + seconds, 1)
+            log(self.settings, f"phase {name}: {seconds:,.1f} s")
+            self.history_path.parent.mkdir(parents=True, exist_ok=True)
+            layout.write_text_atomic(self.history_path, json.dumps(self.history, indent=1) + "\n")
+
+    def all_invocations(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for entry in self.history:
+            for name, seconds in entry["phases"].items():
+                totals[name] = round(totals.get(name, 0.0) + seconds, 1)
+        return totals
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole reproduction
+
+
+def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
+    """Data, training, evaluation and report; returns what OUT/results.json holds."""
+    from megatron_lite.repro import report
+
+    settings = absolute(settings)
+    validate_settings(settings)
+    configs = load_scheme_configs(settings)
+    first = configs[settings.schemes[0]]
+    train_length = first.model.seq_length
+    stride = settings.stride or train_length
+    if stride > min(settings.windows):
+        raise ValueError(f"--stride {stride}: longer than the smallest --windows {min(settings.windows)}")
+    train_iters = planned_train_iters(settings, first, settings.schemes[0])
+    for config in configs.values():
+        config.train.train_iters = train_iters
+    clock = PhaseClock(settings.out_dir / "wall_times.json", settings)
+    log(settings, f"schemes {', '.join(settings.schemes)}; {train_iters} steps each; out {settings.out_dir}")
+
+    with clock.phase("data"):
+        from megatron_lite.data.preprocess import prepare_data
+
+        write_mix(settings)
+        prepare_data(first, progress=settings.progress)
+    training: dict[str, dict[str, Any]] = {}
+    for scheme in settings.schemes:
+        with clock.phase(f"train {scheme}"):
+            training[scheme] = train_scheme(settings, scheme, configs[scheme], train_iters)
+
+    evaluations: dict[str, dict[str, Any]] = {}
+    for scheme in settings.schemes:
+        with clock.phase(f"perplexity {scheme}"):
+            evaluations[f"{scheme} perplexity"] = _evaluate(settings, scheme, "perplexity", stride)
+        if settings.passkey_lengths:
+            with clock.phase(f"passkey {scheme}"):
+                evaluations[f"{scheme} passkey"] = _evaluate(settings, scheme, "passkey", stride)
+
+    with clock.phase("report"):
+        results = report.assemble_results(evaluations, training, train_length, train_iters, stride,
+                                          {key: str(value) if isinstance(value, Path) else value
+                                           for key, value in asdict(settings).items()})
+        plots = report.write_plots(results, [case for evaluation in evaluations.values()
+                                             for case in evaluation["passkey_cases"]], settings.out_dir)
+    results["plots"] = [path.name for path in plots]
+    results["wall_seconds"] = dict(clock.current)
+    results["wall_seconds_all_invocations"] = clock.all_invocations()
+    (settings.out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    (settings.out_dir / "tables.md").write_text(report.tables_markdown(results, settings.headline_ntk_factor))
+    log(settings, f"wall time {sum(clock.current.values()):,.1f} s in this invocation, "
+                  f"{sum(results['wall_seconds_all_invocations'].values()):,.1f} s in all; per phase in tables.md")
+    log(settings, f"wrote {settings.out_dir / 'results.json'}, {settings.out_dir / 'tables.md'}, "
+                  + ", ".join(str(settings.out_dir / name) for name in results["plots"]))
+    return results

@@ -1,0 +1,179 @@
+"""results.json, tables.md (the CoCA paper's Tables 1-3 layout) and plots of the tiny reproduction.
+
+Table 1: sliding-window perplexity, rows ALiBi, RoPE, RoPE + dynamic NTK, CoCA, CoCA + dynamic NTK
+(slack and strict), columns the context windows. Table 2: passkey accuracy, the same rows, columns
+the prompt lengths. Table 3: the dynamic-NTK scaling factor, rows rotary model x factor. The
+dynamic-NTK rows of Tables 1 and 2 use one factor fixed before the run (``--headline-ntk-factor``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from megatron_lite.eval.report import format_ppl, markdown_table, plot_passkey_heatmap, plot_perplexity
+
+SCHEME_LABELS = {"alibi": "ALiBi", "rope": "RoPE", "coca_slack": "CoCA (slack)", "coca_strict": "CoCA (strict)"}
+PAPER_TABLE_1 = """Paper, Table 1 (350M models trained on 512 tokens, PG-19, columns 512 ... 32K = 1x ... 64x):
+
+| model | 512 | 1024 | 2048 | 4096 | 8192 | 16K | 32K |
+|---|---|---|---|---|---|---|---|
+| ALiBi | 18.69 | 21.27 | 28.20 | 35.66 | 37.03 | OOM | OOM |
+| RoPE | 19.66 | 411.50 | 3276 | 3026 | 3028 | inf | inf |
+| RoPE + dynamic NTK | 19.66 | 22.30 | 38.00 | 75.75 | 138.13 | 370.75 | 380.75 |
+| CoCA | 20.11 | 33.47 | 69.06 | 113.19 | 157.38 | 141.00 | 171.63 |
+| CoCA + dynamic NTK | 20.11 | 20.81 | 25.88 | 34.16 | 55.75 | 89.31 | 101.13 |
+
+Paper, Table 2 (passkey accuracy, CoCA + dynamic NTK, 512 ... 32K): 1.00, 1.00, 0.96, 0.89, 0.50, 0.23, 0.08.
+"""
+
+Key = tuple[str, str]  # (model = scheme, scaling name)
+
+
+def scaling_name(factor: float) -> str:
+    return f"dynamic:{factor:g}"
+
+
+def row_label(scheme: str, scaling: str) -> str:
+    label = SCHEME_LABELS.get(scheme, scheme)
+    if scaling == "none":
+        return label
+    kind, _, factor = scaling.partition(":")
+    return f"{label} + {'dynamic NTK' if kind == 'dynamic' else kind} (x{factor})"
+
+
+def is_rotary(scheme: str) -> bool:
+    return scheme != "alibi"
+
+
+def assemble_results(evaluations: dict[str, dict[str, Any]], training: dict[str, dict[str, Any]], train_length: int,
+                     train_iters: int, stride: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """One results dict from the per-scheme evaluation results (without the per-case passkey records)."""
+    results: dict[str, Any] = {"settings": settings, "train_length": train_length, "train_iters": train_iters,
+                               "stride": stride, "training": training, "models": {}, "perplexity": [], "passkey": []}
+    for evaluation in evaluations.values():
+        results["models"].update(evaluation["models"])
+        results["perplexity"] += evaluation["perplexity"]
+        results["passkey"] += evaluation["passkey"]
+    documents = [row for row in results["perplexity"] if row.get("documents")]
+    if documents:
+        results["eval_documents"] = {"used": documents[0]["documents"],
+                                     "skipped_short": documents[0]["documents_skipped"]}
+    return results
+
+
+def _grid(rows: Sequence[dict[str, Any]], column: str, keys: Sequence[Key],
+          format_cell: Callable[[dict[str, Any]], str], train_length: int) -> str:
+    columns = sorted({row[column] for row in rows})
+    by_key = {(row["model"], row["scaling"], row[column]): row for row in rows}
+    header = ["model", *[f"{value:,} (x{value / train_length:g})" for value in columns]]
+    body = []
+    for scheme, scaling in keys:
+        cells = [by_key.get((scheme, scaling, value)) for value in columns]
+        if any(cell is not None for cell in cells):
+            body.append([row_label(scheme, scaling), *["–" if cell is None else format_cell(cell) for cell in cells]])
+    return markdown_table(header, body)
+
+
+def headline_keys(schemes: Sequence[str], headline_factor: float | None) -> list[Key]:
+    keys: list[Key] = []
+    for scheme in schemes:
+        keys.append((scheme, "none"))
+        if is_rotary(scheme) and headline_factor is not None:
+            keys.append((scheme, scaling_name(headline_factor)))
+    return keys
+
+
+def sweep_keys(schemes: Sequence[str], scalings: Sequence[str]) -> list[Key]:
+    return [(scheme, scaling) for scheme in schemes if is_rotary(scheme) for scaling in scalings]
+
+
+def _ppl_cell(row: dict[str, Any]) -> str:
+    return format_ppl(row["ppl"])
+
+
+def _accuracy_cell(row: dict[str, Any]) -> str:
+    return "–" if row["accuracy"] is None else f"{row['accuracy']:.2f}"
+
+
+def _distance_cell(row: dict[str, Any]) -> str:
+    def fraction(value: float | None) -> str:
+        return "–" if value is None else f"{value:.2f}"
+
+    return f"{fraction(row['accuracy_inside'])} / {fraction(row['accuracy_outside'])}"
+
+
+def training_table(results: dict[str, Any]) -> str:
+    def number(value: float | None, digits: int = 3) -> str:
+        return "–" if value is None else f"{value:.{digits}f}"
+
+    body = [[SCHEME_LABELS.get(scheme, scheme), f"{info['parameters']:,}", f"{info['steps']:,}", f"{info['tokens']:,}",
+             number(info["final_train_loss"]), number(info["final_val_loss"]), number(info["final_val_ppl"], 2),
+             info["action"]] for scheme, info in results["training"].items()]
+    return markdown_table(["model", "parameters", "steps", "training tokens", "last train loss", "val loss", "val ppl",
+                           "this invocation"], body)
+
+
+def wall_time_table(results: dict[str, Any]) -> str:
+    current, total = results["wall_seconds"], results["wall_seconds_all_invocations"]
+    body = [[phase, f"{current.get(phase, 0.0):,.1f}", f"{seconds:,.1f}"] for phase, seconds in total.items()]
+    body.append(["**total**", f"{sum(current.values()):,.1f}", f"{sum(total.values()):,.1f}"])
+    return markdown_table(["phase", "this invocation, s", "all invocations, s"], body)
+
+
+def tables_markdown(results: dict[str, Any], headline_factor: float | None) -> str:
+    schemes, settings = list(results["training"]), results["settings"]
+    scalings = ["none", *(scaling_name(factor) for factor in settings["ntk_factors"])]
+    headline = headline_factor if settings["ntk_factors"] else None
+    train_length, perplexity, passkey = results["train_length"], results["perplexity"], results["passkey"]
+    headline_rows = headline_keys(schemes, headline)
+    parts = [f"# Tiny CoCA reproduction: {', '.join(SCHEME_LABELS[s] for s in schemes)}\n\n"
+             f"Trained on {train_length} tokens for {results['train_iters']:,} steps; columns give tokens and (x) "
+             "multiples of the training length. Dynamic NTK rows of Tables 1-2: "
+             f"{'factor ' + format(headline, 'g') if headline is not None else 'none'}.\n\n"
+             "## Training\n\n" + training_table(results)]
+    if perplexity:
+        documents = results.get("eval_documents", {})
+        parts.append(f"## Table 1: sliding-window perplexity on {settings['eval_books']}\n\n"
+                     f"Stride {results['stride']}; {documents.get('used')} books truncated to "
+                     f"{settings['max_doc_tokens']:,} tokens ({documents.get('skipped_short')} shorter ones skipped)."
+                     "\n\n" + _grid(perplexity, "window", headline_rows, _ppl_cell, train_length))
+    if passkey:
+        parts.append(f"## Table 2: passkey retrieval accuracy\n\n{settings['passkey_cases']} cases per length (keys "
+                     "and depths drawn once per length, the same for every model).\n\n"
+                     + _grid(passkey, "length", headline_rows, _accuracy_cell, train_length)
+                     + "\n\nBy passkey distance (accuracy when the key lies inside / outside the training window "
+                       "of the question; – no such case):\n\n"
+                     + _grid(passkey, "length", headline_rows, _distance_cell, train_length))
+    if len(scalings) > 1 and any(is_rotary(scheme) for scheme in schemes):
+        sweep = sweep_keys(schemes, scalings)
+        part = "## Table 3: dynamic NTK scaling factor\n\nPerplexity:\n\n" + _grid(
+            perplexity, "window", sweep, _ppl_cell, train_length)
+        if passkey:
+            part += "\n\nPasskey accuracy:\n\n" + _grid(passkey, "length", sweep, _accuracy_cell, train_length)
+        parts.append(part)
+    parts.append("## Wall time\n\n" + wall_time_table(results))
+    parts.append("## For comparison\n\n" + PAPER_TABLE_1)
+    return "\n\n".join(parts) + "\n"
+
+
+def write_plots(results: dict[str, Any], passkey_cases: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
+    """perplexity_vs_window.png (Table 1 rows), perplexity_ntk_factors.png (Table 3 rows), passkey_heatmap.png."""
+    written: list[Path] = []
+    schemes = list(results["training"])
+    factors = results["settings"]["ntk_factors"]
+    headline = results["settings"]["headline_ntk_factor"] if factors else None
+    groups = [("perplexity_vs_window.png", set(headline_keys(schemes, headline)))]
+    if factors and any(is_rotary(scheme) for scheme in schemes):
+        groups.append(("perplexity_ntk_factors.png",
+                       set(sweep_keys(schemes, ["none", *(scaling_name(f) for f in factors)]))))
+    for name, keys in groups:
+        rows = [row for row in results["perplexity"] if (row["model"], row["scaling"]) in keys]
+        if rows:
+            written.append(out_dir / name)
+            plot_perplexity({"perplexity": rows, "models": results["models"]}, written[-1])
+    if passkey_cases:
+        written.append(out_dir / "passkey_heatmap.png")
+        plot_passkey_heatmap(passkey_cases, written[-1])
+    return written

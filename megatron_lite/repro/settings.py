@@ -1,0 +1,210 @@
+"""Settings of the tiny reproduction, their validation, the four configs and the data mix file.
+
+OUT layout: ``data/mix.yml`` + ``data/cache/`` (tokenizer, shards), ``runs/<scheme>/`` (train.py run
+dirs), ``logs/train_<scheme>.log``, ``eval/<scheme>/{perplexity,passkey}/`` (evaluation outputs and
+caches), ``results.json``, ``tables.md``, plots, ``wall_times.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatron_lite import checkpoint as layout
+from megatron_lite import config as config_lib
+from megatron_lite.config import Config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SCHEMES = ("alibi", "rope", "coca_slack", "coca_strict")
+DEFAULT_CONFIG_DIR = REPO_ROOT / "configs" / "tiny"
+DEFAULT_WINDOWS = [128 * 2**i for i in range(6)]  # 128 ... 4096: 1x ... 32x the training length
+DEFAULT_PASSKEY_LENGTHS = [128 * 2**i for i in range(5)]  # 128 ... 2048
+DEFAULT_NTK_FACTORS = [2.0, 4.0, 8.0]
+TEXT_WEIGHT, CODE_WEIGHT = 0.75, 0.25  # the paper's text / code token shares
+
+
+@dataclass
+class ReproSettings:
+    books: Path  # training books: a directory of raw Project Gutenberg .txt files
+    eval_books: Path  # evaluation books (PG-19 test): a directory of .txt (or parquet) books
+    out_dir: Path
+    schemes: list[str] = field(default_factory=lambda: list(SCHEMES))
+    train_iters: int | None = None  # None: the configs' train.train_iters
+    windows: list[int] = field(default_factory=lambda: list(DEFAULT_WINDOWS))
+    stride: int | None = None  # sliding-window stride; None: the training length (the paper: 512 = its training length)
+    max_doc_tokens: int = 8192  # evaluation books truncated to this many tokens (shorter ones skipped)
+    max_docs: int = 100
+    passkey_lengths: list[int] = field(default_factory=lambda: list(DEFAULT_PASSKEY_LENGTHS))
+    passkey_cases: int = 100  # the paper's count
+    ntk_factors: list[float] = field(default_factory=lambda: list(DEFAULT_NTK_FACTORS))
+    headline_ntk_factor: float = 4.0  # the dynamic-NTK row of Tables 1 and 2 (fixed before the run)
+    batch_size: int = 4  # windows / passkey cases per forward
+    threads: int = 1  # torch threads of train.py and of the evaluation (1: fastest on a shared 2-core machine)
+    seed: int = 1234  # passkey keys and depths
+    code_max_documents: int | None = None  # cap on stdlib files read (None: all)
+    overrides: list[str] = field(default_factory=list)  # --set KEY=VALUE for every config (same for all models)
+    config_dir: Path = DEFAULT_CONFIG_DIR
+    python: str = sys.executable
+    progress: bool = True
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings, configs, data
+
+
+def _text_files(directory: Path) -> list[Path]:
+    return sorted(path for path in directory.rglob("*.txt") if path.is_file())
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def check_no_overlap(books: Path, eval_books: Path) -> None:
+    """ValueError if an evaluation book is also a training book (same content): test-set leakage."""
+    if not eval_books.is_dir():
+        return
+    training = {_file_digest(path): path for path in _text_files(books)}
+    shared = [(path, training[digest]) for path in _text_files(eval_books)
+              if (digest := _file_digest(path)) in training]
+    if shared:
+        examples = ", ".join(f"{a.name} = {b.name}" for a, b in shared[:3])
+        raise ValueError(f"--eval-books {eval_books}: {len(shared)} book(s) are also in --books {books} ({examples}); "
+                         "evaluation books must be held out of training")
+
+
+def validate_settings(settings: ReproSettings) -> None:
+    """ValueError naming the offending flag for every user error that needs no config."""
+    if not settings.books.is_dir():
+        raise ValueError(f"--books {settings.books}: not a directory")
+    if not _text_files(settings.books):
+        raise ValueError(f"--books {settings.books}: no .txt files in it")
+    if not settings.eval_books.exists():
+        raise ValueError(f"--eval-books {settings.eval_books}: no such file or directory")
+    if settings.books.resolve() == settings.eval_books.resolve():
+        raise ValueError(f"--eval-books {settings.eval_books}: the same directory as --books; hold the evaluation "
+                         "books out of training")
+    if not settings.schemes:
+        raise ValueError("--schemes: give at least one of " + ", ".join(SCHEMES))
+    for scheme in settings.schemes:
+        if scheme not in SCHEMES:
+            raise ValueError(f"--schemes {scheme!r}: unknown; choose from {', '.join(SCHEMES)}")
+    if len(set(settings.schemes)) != len(settings.schemes):
+        raise ValueError(f"--schemes {' '.join(settings.schemes)}: a scheme is repeated")
+    positive = {"--train-iters": settings.train_iters, "--passkey-cases": settings.passkey_cases,
+                "--batch-size": settings.batch_size, "--max-doc-tokens": settings.max_doc_tokens,
+                "--max-docs": settings.max_docs, "--code-max-documents": settings.code_max_documents,
+                "--stride": settings.stride, "--threads": settings.threads}
+    for flag, value in positive.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1")
+    if not settings.windows:
+        raise ValueError("--windows: give at least one window")
+    if max(settings.windows) > settings.max_doc_tokens:
+        raise ValueError(f"--windows: {max(settings.windows)} is longer than --max-doc-tokens "
+                         f"{settings.max_doc_tokens}")
+    for factor in settings.ntk_factors:
+        if not factor > 1:
+            raise ValueError(f"--ntk-factors {factor:g}: a dynamic-NTK factor must be > 1")
+    if settings.ntk_factors and settings.headline_ntk_factor not in settings.ntk_factors:
+        raise ValueError(f"--headline-ntk-factor {settings.headline_ntk_factor:g}: must be one of --ntk-factors "
+                         f"{','.join(f'{f:g}' for f in settings.ntk_factors)}")
+    check_no_overlap(settings.books, settings.eval_books)
+
+
+def absolute(settings: ReproSettings) -> ReproSettings:
+    """The settings with every path absolute (train.py runs as a subprocess)."""
+    return replace(settings, books=settings.books.resolve(), eval_books=settings.eval_books.resolve(),
+                   out_dir=settings.out_dir.resolve(), config_dir=settings.config_dir.resolve())
+
+
+def mix_path(settings: ReproSettings) -> Path:
+    return settings.out_dir / "data" / "mix.yml"
+
+
+def run_dir(settings: ReproSettings, scheme: str) -> Path:
+    return settings.out_dir / "runs" / scheme
+
+
+def config_path(settings: ReproSettings, scheme: str) -> Path:
+    return settings.config_dir / f"repro_{scheme}.yml"
+
+
+def all_overrides(settings: ReproSettings) -> list[str]:
+    """The user's --set overrides, then the data location (JSON strings are valid YAML scalars)."""
+    return [*settings.overrides, f"data.mix={json.dumps(str(mix_path(settings)))}",
+            f"data.cache_dir={json.dumps(str(settings.out_dir / 'data' / 'cache'))}"]
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def load_scheme_configs(settings: ReproSettings) -> dict[str, Config]:
+    """Every scheme's config with the overrides; ValueError unless they differ only in model.position."""
+    configs = {scheme: config_lib.load(config_path(settings, scheme), all_overrides(settings))
+               for scheme in settings.schemes}
+    flat = {scheme: {key: value for key, value in _flatten(config_lib.to_dict(config)).items()
+                     if not key.startswith("model.position.")} for scheme, config in configs.items()}
+    first = settings.schemes[0]
+    for scheme in settings.schemes[1:]:
+        differing = sorted(key for key in flat[first].keys() | flat[scheme].keys()
+                           if flat[first].get(key) != flat[scheme].get(key))
+        if differing:
+            raise ValueError(f"{config_path(settings, scheme)} differs from {config_path(settings, first)} outside "
+                             f"model.position ({', '.join(differing[:5])}); the comparison needs identical models")
+    return configs
+
+
+def planned_train_iters(settings: ReproSettings, config: Config, scheme: str) -> int:
+    if settings.train_iters is not None:
+        return settings.train_iters
+    if config.train.train_iters is None:
+        raise ValueError(f"{config_path(settings, scheme)}: train.train_iters is null; pass --train-iters")
+    return config.train.train_iters
+
+
+def mix_document(settings: ReproSettings) -> dict[str, Any]:
+    code: dict[str, Any] = {"type": "python_code"}
+    if settings.code_max_documents is not None:
+        code["max_documents"] = settings.code_max_documents
+    return {
+        "description": "Tiny CoCA reproduction: Project Gutenberg books (headers stripped) as text, the Python "
+                       "standard library as code, 75/25 by tokens",
+        "groups": {
+            "text": {"weight": TEXT_WEIGHT, "sources": {
+                "gutenberg_books": {"type": "text", "path": str(settings.books), "strip_gutenberg": True}}},
+            "code": {"weight": CODE_WEIGHT, "sources": {"python_stdlib": code}},
+        },
+    }
+
+
+def write_mix(settings: ReproSettings) -> Path:
+    """Write the mix file only when its content changes (the cached tokenizer is keyed on it)."""
+    from megatron_lite.data.mix import load_mix
+
+    path = mix_path(settings)
+    text = yaml.safe_dump(mix_document(settings), sort_keys=False)
+    if not path.is_file() or path.read_text() != text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        layout.write_text_atomic(path, text)
+    load_mix(path)  # validates
+    return path
+
+
+def log(settings: ReproSettings, message: str) -> None:
+    if settings.progress:
+        print(f"[reproduce_tiny] {message}", flush=True)
+

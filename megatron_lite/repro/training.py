@@ -1,0 +1,126 @@
+"""Training the four models: skip finished ones, resume interrupted ones, log train.py's output."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_lite import checkpoint as layout
+from megatron_lite.config import Config
+from megatron_lite.repro.settings import REPO_ROOT, ReproSettings, all_overrides, config_path, log, run_dir
+
+
+class TrainingFailed(RuntimeError):
+    """train.py exited with an error, or stopped before train_iters."""
+
+
+@dataclass(frozen=True)
+class TrainingStatus:
+    step: int  # step of the latest complete checkpoint; 0 when there is none
+    checkpoint: Path | None
+    finished: bool  # that checkpoint is the final one (step == train_iters)
+
+
+def training_status(directory: Path, train_iters: int) -> TrainingStatus:
+    latest = layout.latest_complete(directory / layout.CHECKPOINTS_DIR)
+    if latest is None:
+        return TrainingStatus(0, None, False)
+    step = int(layout.read_complete_marker(latest)["step"])
+    return TrainingStatus(step, latest, step == train_iters)
+
+
+def train_command(settings: ReproSettings, scheme: str, train_iters: int) -> list[str]:
+    command = [settings.python, str(REPO_ROOT / "train.py"), "--config", str(config_path(settings, scheme)),
+               "--run-dir", str(run_dir(settings, scheme)), "--resume", "auto", "--train-iters", str(train_iters)]
+    for override in all_overrides(settings):
+        command += ["--set", override]
+    return command
+
+
+def run_logged(command: Sequence[str], log_path: Path, echo: bool, threads: int) -> int:
+    """Run ``command`` with ``threads`` OpenMP/MKL threads, appending its output to ``log_path`` (and to
+    stdout when ``echo``); returns its exit code.
+
+    Ctrl-C reaches train.py too (same process group); it saves a checkpoint and exits, and we wait for it.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    if not echo:
+        env["TQDM_DISABLE"] = "1"
+    with log_path.open("ab") as log_file:
+        log_file.write(f"\n$ {shlex.join(command)}\n".encode())
+        log_file.flush()
+        process = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+        assert process.stdout is not None
+        descriptor = process.stdout.fileno()
+
+        def pump() -> None:
+            while chunk := os.read(descriptor, 65536):
+                log_file.write(chunk)
+                if echo:
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+
+        try:
+            pump()
+        except KeyboardInterrupt:
+            pump()  # train.py is saving its checkpoint; keep its pipe drained until it exits
+            process.wait()
+            raise
+        return process.wait()
+
+
+def _log_tail(path: Path, num_lines: int = 15) -> str:
+    lines = [line for line in path.read_text(errors="replace").replace("\r", "\n").splitlines() if line.strip()]
+    return "\n".join(lines[-num_lines:])
+
+
+def training_summary(directory: Path, config: Config, action: str) -> dict[str, Any]:
+    """What the run reports about itself: steps, tokens, the last training and validation loss."""
+    from megatron_lite.model.params import counted_parameter_count
+    from megatron_lite.training.metrics import read_metrics
+
+    status = training_status(directory, config.train.train_iters or 0)
+    metrics_path = directory / "metrics.jsonl"
+    rows = read_metrics(metrics_path) if metrics_path.is_file() else []
+    losses = [row for row in rows if row.get("loss") is not None]
+    validation = [row for row in rows if row.get("val_loss") is not None]
+    train = config.train
+    tokens_per_step = train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * config.model.seq_length
+    return {"action": action, "steps": status.step, "tokens": status.step * tokens_per_step,
+            "parameters": counted_parameter_count(config.model),
+            "final_train_loss": losses[-1]["loss"] if losses else None,
+            "final_val_loss": validation[-1]["val_loss"] if validation else None,
+            "final_val_ppl": validation[-1].get("val_ppl") if validation else None,
+            "checkpoint": str(status.checkpoint) if status.checkpoint else None}
+
+
+def train_scheme(settings: ReproSettings, scheme: str, config: Config, train_iters: int) -> dict[str, Any]:
+    """Skip a finished model, else run train.py (resuming from the latest complete checkpoint)."""
+    directory = run_dir(settings, scheme)
+    before = training_status(directory, train_iters)
+    if before.step > train_iters:
+        raise ValueError(f"--train-iters {train_iters}: {directory} already holds a checkpoint at step {before.step}; "
+                         "use the original --train-iters or a fresh --out")
+    if before.finished:
+        log(settings, f"train {scheme}: finished ({before.checkpoint}), skipped")
+        return training_summary(directory, config, "skipped (finished)")
+    action = f"resumed from step {before.step}" if before.step else "trained"
+    log_path = settings.out_dir / "logs" / f"train_{scheme}.log"
+    log(settings, f"train {scheme}: {action.replace('trained', 'starting')}, {train_iters} steps; log {log_path}")
+    exit_code = run_logged(train_command(settings, scheme, train_iters), log_path, settings.progress,
+                           settings.threads)
+    after = training_status(directory, train_iters)
+    if exit_code != 0:
+        raise TrainingFailed(f"train.py for {scheme} exited with code {exit_code} (log {log_path}):\n"
+                             f"{_log_tail(log_path)}")
+    if not after.finished:
+        raise TrainingFailed(f"train.py for {scheme} stopped at step {after.step} of {train_iters} (log {log_path}); "
+                             "run the same command again to resume")
+    return training_summary(directory, config, action)
