@@ -17,10 +17,13 @@ import sys
 from pathlib import Path
 
 from megatron_lite import config as config_lib
-from megatron_lite.data.bench import DEFAULT_CONSUMED_SAMPLES_PER_S, format_report, run_benchmark
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Imported here, not at the top: spawned tokeniser workers re-import this script, and the
+    # benchmark module pulls in torch (seconds per worker, which would be timed as preprocessing).
+    from megatron_lite.data.bench import DEFAULT_CONSUMED_SAMPLES_PER_S, format_report, run_benchmark
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/tiny/coca_slack.yml", help="run config (default the tiny CPU config)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import inspect
 import tempfile
 import time
@@ -103,9 +104,34 @@ def bench_loader(config: Config, manifest: Manifest, num_samples: int, seconds: 
             "seq_length": dataset.seq_length}
 
 
-def bench_preprocess(config: Config, workdir: str | Path, workers: tuple[int, ...] = (1, 2),
+def export_mix_to_jsonl(config: Config, out_dir: Path, repeat: int = 1) -> Path:
+    """The mix's documents as one jsonl file per source (``repeat`` copies each, dedup off), and a mix
+    file with the same groups reading them: the hub/jsonl case, where reading is cheap next to
+    tokenisation (the built-in python_docs source parses the stdlib with ``ast``, serially)."""
+    from megatron_lite.data.mix import load_mix
+    from megatron_lite.data.sources import Document, read_source
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups: dict[str, Any] = {}
+    for group_name, group in load_mix(config.data.mix).groups.items():
+        sources: dict[str, Any] = {}
+        for name, source in group.sources.items():
+            texts = [record.text for record in read_source(source, name) if isinstance(record, Document)]
+            path = out_dir / f"{name}.jsonl"
+            with path.open("w") as handle:
+                for _ in range(repeat):
+                    handle.writelines(json.dumps({"text": text}) + "\n" for text in texts)
+            sources[name] = {"type": "jsonl", "path": str(path), "deduplicate": False}
+        groups[group_name] = {"weight": group.weight, "sources": sources}
+    mix_path = out_dir / "mix.yml"
+    mix_path.write_text(yaml.safe_dump({"description": "bench_data jsonl export", "groups": groups}, sort_keys=False))
+    return mix_path
+
+
+def bench_preprocess(config: Config, workdir: str | Path, workers: tuple[int, ...] = (1, 2), repeat: int = 2,
                      progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Tokens/s of prepare_data(config) per worker count; {"error": ...} while it does not exist."""
+    """Tokens/s of prepare_data per worker count on the config's mix exported to jsonl; {"error": ...}
+    while prepare_data does not exist."""
     prepare = find_prepare_data()
     if prepare is None:
         return {"error": "megatron_lite.data.preprocess.prepare_data is not available yet"}
@@ -115,9 +141,11 @@ def bench_preprocess(config: Config, workdir: str | Path, workers: tuple[int, ..
     progress("preprocess: warm-up run (trains the tokenizer, warms the file cache)")
     prepare(warm, **quiet)
     tokenizer = workdir / "warmup" / load_manifest(warm.data.cache_dir).tokenizer.path
-    result: dict[str, Any] = {"runs": {}}
+    progress(f"preprocess: exporting the mix to jsonl ({repeat} copies)")
+    jsonl_mix = export_mix_to_jsonl(config, workdir / "jsonl", repeat)
+    result: dict[str, Any] = {"runs": {}, "input": f"{config.data.mix} as jsonl, {repeat} copies"}
     for count in workers:
-        run = with_data(config, cache_dir=str(workdir / f"workers_{count}"), num_workers=count)
+        run = with_data(config, cache_dir=str(workdir / f"workers_{count}"), num_workers=count, mix=str(jsonl_mix))
         run.data.tokenizer.model = str(tokenizer)
         progress(f"preprocess: {count} worker(s)")
         start = time.perf_counter()
