@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -115,6 +116,24 @@ def test_sigterm_writes_a_final_checkpoint(training_corpus, tmp_path: Path) -> N
     assert final is not None
     step = layout.read_complete_marker(final)["step"]
     assert 3 <= step < 5000 and final.name == layout.step_tag(step)
+
+
+def test_sigterm_to_the_launchers_process_group_stops_both_ranks_at_one_step(training_corpus, tmp_path: Path) -> None:
+    mix, cache = training_corpus
+    config = write_config(tmp_path / "config.yml", tiny_train_config(
+        mix, cache, train_iters=5000, save_interval=0, eval_interval=0, zero_stage=2, gradient_accumulation_steps=1))
+    run_dir = tmp_path / "run"
+    process = subprocess.Popen(train_command(config, run_dir, ranks=2), text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 3):
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGTERM)  # what Ctrl-C / scancel do: every process of the job
+    output, _ = process.communicate(timeout=120)
+    assert "stopped by SIGTERM" in output, output[-3000:]
+    final = layout.latest_complete(run_dir / layout.CHECKPOINTS_DIR)
+    assert final is not None and len(list(final.glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    assert len(list(final.glob("rng_state_rank*.pt"))) == 2
 
 
 def test_nonfinite_loss_is_skipped_and_counted(training_corpus, tmp_path: Path) -> None:
