@@ -8,6 +8,7 @@ writes ``results.json``, ``tables.md``, the plots and ``run_info.json`` (timing 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import resource
@@ -15,7 +16,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from tqdm import tqdm
@@ -299,6 +300,17 @@ class LongContextEvaluation:
         torch.manual_seed(self.settings.seed)
         return model, tokenizer
 
+    @contextlib.contextmanager
+    def out_of_memory_advice(self, entry: ModelEntry, what: str) -> Iterator[None]:
+        """Turn an out-of-memory error into one that names the flag to change."""
+        try:
+            yield
+        except (RuntimeError, MemoryError) as error:
+            if not is_out_of_memory(error):
+                raise
+            assert entry.choice is not None
+            raise EvalOutOfMemory(out_of_memory_advice(what, entry.choice, self.settings.batch_size)) from error
+
     def perplexity(self, entry: ModelEntry, spec: ScalingSpec, window: int) -> dict[str, Any]:
         settings = self.settings
         model, tokenizer = self.scaled_model(entry, spec)
@@ -306,17 +318,9 @@ class LongContextEvaluation:
         total = sum(num_windows(len(doc), window, settings.stride) for doc in documents.token_ids)
         bar = tqdm(total=total, desc=f"{entry.name} {spec.name} ppl L={window}", unit="win",
                    disable=not settings.progress, leave=False)
-        try:
+        with bar, self.out_of_memory_advice(entry, f"evaluating {entry.name} at window {window}"):
             result = sliding_window_perplexity(model, documents.token_ids, window, settings.stride,
                                                settings.batch_size, bar.update)
-        except (RuntimeError, MemoryError) as error:
-            if is_out_of_memory(error):
-                assert entry.choice is not None
-                raise EvalOutOfMemory(out_of_memory_advice(f"evaluating {entry.name} at window {window}",
-                                                           entry.choice, settings.batch_size)) from error
-            raise
-        finally:
-            bar.close()
         row = {"model": entry.name, "scaling": spec.name, "window": window, "ppl": result.perplexity,
                "tokens": result.num_tokens, "documents": len(documents.token_ids),
                "documents_skipped": documents.num_too_short}
@@ -329,17 +333,9 @@ class LongContextEvaluation:
         model, tokenizer = self.scaled_model(entry, spec)
         bar = tqdm(total=settings.passkey_cases, desc=f"{entry.name} {spec.name} passkey {length}", unit="case",
                    disable=not settings.progress, leave=False)
-        try:
+        with bar, self.out_of_memory_advice(entry, f"running passkey {entry.name} at length {length}"):
             cases = run_passkey(model, tokenizer, length, settings.passkey_cases, settings.seed, settings.batch_size,
                                 PasskeyPromptBuilder(tokenizer), bar.update)
-        except (RuntimeError, MemoryError) as error:
-            if is_out_of_memory(error):
-                assert entry.choice is not None
-                raise EvalOutOfMemory(out_of_memory_advice(f"running passkey {entry.name} at length {length}",
-                                                           entry.choice, settings.batch_size)) from error
-            raise
-        finally:
-            bar.close()
         summary = summarize_cases(cases, self.model_info(entry)["train_length"])
         self.log(f"{entry.name} {spec.name} passkey {length}: accuracy {summary['accuracy']:.2f} "
                  f"({summary['cases']} cases)")
