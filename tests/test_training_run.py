@@ -96,6 +96,10 @@ def test_sigkill_while_saving_resumes_from_previous_checkpoint(training_corpus, 
     resumed = run_train(write_config(tmp_path / "config.yml", tiny_train_config(mix, cache)), tmp_path / "run")
     assert "step_00000004" in resumed.stdout and "resumed from" in resumed.stdout
     assert_bitwise_equal(weights(checkpoints / "step_00000008"), weights(baseline / "checkpoints/step_00000008"))
+    # steps 5-8 ran twice; metrics.jsonl keeps one row per step (the crashed attempt's are dropped)
+    assert "dropped" in resumed.stdout and "after step 4" in resumed.stdout
+    assert [(r["step"], "val_loss" in r) for r in metrics(tmp_path / "run")] == \
+        [(r["step"], "val_loss" in r) for r in metrics(baseline)]
 
 
 def test_sigterm_writes_a_final_checkpoint(training_corpus, tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ import pytest
 from megatron_lite import config as config_lib
 from megatron_lite.model.params import analytic_parameter_count
 from megatron_lite.training.checkpointing import check_resume_compatible
-from megatron_lite.training.metrics import MetricsLogger, model_flops_per_token, plot_loss_curve
+from megatron_lite.training.metrics import (MetricsLogger, drop_rows_after, model_flops_per_token,
+                                            plot_loss_curve, read_metrics)
 
 
 def _saved_step_dir(tmp_path: Path, overrides: list[str]) -> Path:
@@ -32,6 +33,18 @@ def test_shape_change_on_resume_is_refused(tmp_path: Path) -> None:
     step_dir = _saved_step_dir(tmp_path, [])
     with pytest.raises(ValueError, match=r"layers\.4\.attention\.query_key_value\.weight: checkpoint None"):
         check_resume_compatible(step_dir, config_lib.load("configs/tiny/rope.yml", ["model.num_layers=5"]))
+
+
+def test_rows_logged_after_the_resumed_step_are_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    assert drop_rows_after(path, 5) == 0 and not path.exists()  # no file yet: nothing to do, nothing created
+    rows = [f'{{"step": {step}, "loss": {10 - step}}}\n' for step in range(1, 9)] + ['{"step": 4, "val_loss": 3}\n']
+    path.write_text("".join(rows))
+    assert drop_rows_after(path, 8) == 0
+    assert drop_rows_after(path, 4) == 4
+    assert [(row["step"], "val_loss" in row) for row in read_metrics(path)] == [(1, False), (2, False), (3, False),
+                                                                               (4, False), (4, True)]
+    assert drop_rows_after(path, 0) == 5 and read_metrics(path) == []  # a fresh start: the old attempt is gone
 
 
 def test_wandb_online_without_key_falls_back_to_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -169,7 +169,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
         state.total_steps = data.total_steps
     train_loader, valid_loader = data.loaders(config, dist_info, state.consumed_samples)
 
-    logger = metrics_lib.MetricsLogger(config, run_dir, enabled=dist_info.is_main)
+    logger = metrics_lib.MetricsLogger(config, run_dir, enabled=dist_info.is_main, start_step=state.step)
     flops_per_step = metrics_lib.model_flops_per_token(config.model) * layout_.global_batch_size * config.model.seq_length
     peak = metrics_lib.peak_tflops(config)
     if dist_info.is_main:
@@ -181,6 +181,9 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
             f"{layout_.gradient_accumulation_steps} x {layout_.data_parallel_size}; {data.total_steps} steps "
             f"({data.steps_source}); run dir {run_dir}"
             + (f"; resumed from {resume_dir} at step {state.step}" if resume_dir else ""))
+        if logger.dropped_rows:
+            metrics_lib.console(f"metrics.jsonl: dropped {logger.dropped_rows} row(s) logged after step {state.step} "
+                                "by the interrupted attempt (those steps are redone)")
 
     result = TrainingResult(run_dir, state.step, data.total_steps, None, None, None, state.skipped_steps, "completed",
                             resume_dir)

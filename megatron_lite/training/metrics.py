@@ -60,12 +60,14 @@ def _wandb_has_key() -> bool:
 class MetricsLogger:
     """metrics.jsonl rows (+ wandb) on rank 0; a no-op elsewhere."""
 
-    def __init__(self, config: Config, run_dir: Path, enabled: bool) -> None:
+    def __init__(self, config: Config, run_dir: Path, enabled: bool, start_step: int = 0) -> None:
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.run_dir = run_dir
         self._wandb: Any = None
+        self.dropped_rows = 0
         if enabled:
+            self.dropped_rows = drop_rows_after(self.path, start_step)
             self._wandb = self._start_wandb(config, run_dir)
 
     @staticmethod
@@ -109,6 +111,18 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def drop_rows_after(path: Path, step: int) -> int:
+    """Remove rows logged after ``step``: an interrupted attempt logged them, and the run redoes those
+    steps from its checkpoint, so keeping them would give every such step two rows. Returns the count."""
+    rows = read_metrics(path)
+    kept = [row for row in rows if row.get("step", 0) <= step]
+    if len(kept) < len(rows):
+        staging = path.with_suffix(".jsonl.tmp")
+        staging.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        os.replace(staging, path)  # atomic: a crash here leaves the old file or the new one
+    return len(rows) - len(kept)
 
 
 def plot_loss_curve(metrics_path: Path, out_path: Path, title: str) -> Path | None:
