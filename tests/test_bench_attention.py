@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from megatron_lite.bench.attention_bench import (
     run_benchmark,
 )
 from megatron_lite.bench.memory import track_peak_memory
+from script_loading import load_script
 
 MiB = 2**20
 RECORD_KEYS = {"scheme", "backend", "seq_len", *METRIC_KEYS, "skipped"}
@@ -190,11 +190,7 @@ def test_bad_settings_raise_value_error(overrides: dict, match: str) -> None:
 
 
 def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_attention_cli", path)
-    assert spec is not None and spec.loader is not None
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("tools/bench_attention.py")
     out = tmp_path / "bench.json"
     argv = ["--json", str(out), "--seq-lens", "32", "--backends", "sdpa", "--hidden-size", "64", "--num-heads", "4",
             "--repeats", "1", "--warmup", "0", "--device", "cpu"]

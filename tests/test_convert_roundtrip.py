@@ -4,10 +4,8 @@ and user errors (non-empty output, mismatched tensors, wrong scheme) are one cle
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -18,17 +16,9 @@ from megatron_lite import config as config_lib
 from megatron_lite.checkpoint import load_model, save_consolidated
 from megatron_lite.convert import convert_checkpoint
 from test_convert_hf import TOLERANCE, converter_config, random_model, train_small_tokenizer
+from script_loading import load_script
 
 transformers = pytest.importorskip("transformers")
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_cli() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("convert_checkpoint_cli", REPO / "tools/convert_checkpoint.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -205,7 +195,7 @@ def test_invalid_requests_name_the_value(tmp_path: Path) -> None:
 
 def test_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source, _ = consolidated_checkpoint(tmp_path, "coca")
-    convert_cli = load_cli()
+    convert_cli = load_script("tools/convert_checkpoint.py")
     assert convert_cli.main([str(source), str(tmp_path / "hf"), "--to", "hf"]) == 0
     assert "trust_remote_code=True" in capsys.readouterr().out
     assert convert_cli.main([str(source), str(tmp_path / "hf"), "--to", "hf"]) == 2

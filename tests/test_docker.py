@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import re
 import shlex
@@ -32,6 +31,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from megatron_lite import config as config_lib
+from script_loading import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"
@@ -39,17 +39,6 @@ DOCS = REPO / "docs" / "run_at_scale.md"
 IMAGE = "megatron_lite"
 WORKDIR = "/workspace"
 VOLUMES = ("/workspace/data", "/workspace/runs", "/workspace/wandb")
-
-
-def _load_module(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "docker" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(REPO / "docker"))
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(REPO / "docker"))
-    return module
 
 
 # ----------------------------------------------------------------------------------------------
@@ -231,7 +220,7 @@ def test_dockerfile_structure() -> None:
     flash_runs = [i.args for i in instructions("RUN") if "flash-attn" in i.args]
     assert len(flash_runs) == 1 and '[ "${FLASH_ATTN}" = "1" ]' in flash_runs[0]
     assert '"flash-attn==${FLASH_ATTN_VERSION}"' in flash_runs[0] and "--no-build-isolation" in flash_runs[0]
-    flash_spec = _load_module("make_constraints").load_pyproject()["project"]["optional-dependencies"]["flash"]
+    flash_spec = load_script("docker/make_constraints.py").load_pyproject()["project"]["optional-dependencies"]["flash"]
     assert Requirement(flash_spec[0]).specifier.contains(args["FLASH_ATTN_VERSION"], prereleases=True)
 
     env = " ".join(i.args for i in instructions("ENV"))
@@ -322,7 +311,7 @@ def test_ci_runs_the_readme_command_with_the_lock() -> None:
 
 
 def test_image_and_ci_pin_the_same_versions() -> None:
-    check = _load_module("check_versions")
+    check = load_script("docker/check_versions.py")
     pins = check.read_pins(REPO / "constraints.txt")
     # the image installs with the same file
     pip_runs = [i.args for i in instructions("RUN") if "pip install" in i.args]
@@ -352,7 +341,7 @@ def instructions_args(keyword: str) -> list[str]:
 
 def test_installed_versions_equal_the_lock() -> None:
     """What CI installed (README command, -c constraints.txt) is exactly the lock the image uses."""
-    check = _load_module("check_versions")
+    check = load_script("docker/check_versions.py")
     assert check.problems(("test",)) == []
     assert check.torch_problems() == []
 

@@ -4,11 +4,9 @@ flag errors (acceptance item 3)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
@@ -18,17 +16,9 @@ from megatron_lite.eval import long_context
 from megatron_lite.eval.long_context import AttentionChoice, choose_attention, with_attention
 from megatron_lite.eval.perplexity import sliding_window_perplexity
 from test_eval_support import make_checkpoint, make_tokenizer, single_thread, write_books  # noqa: F401 (fixture)
+from script_loading import load_script
 
-REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("eval_long_context_tool", REPO / "tools" / "eval_long_context.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +38,7 @@ def tool_args(workspace: dict[str, Path], out: Path, *extra: str) -> list[str]:
 
 
 def test_tool_writes_results_tables_and_plots_reproducibly(workspace: dict[str, Path], tmp_path: Path) -> None:
-    tool = load_tool()
+    tool = load_script("tools/eval_long_context.py")
     assert tool.main(tool_args(workspace, tmp_path / "a")) == 0
     assert tool.main(tool_args(workspace, tmp_path / "b")) == 0
     first = json.loads((tmp_path / "a" / "results.json").read_text())
@@ -85,7 +75,7 @@ def test_tool_writes_results_tables_and_plots_reproducibly(workspace: dict[str, 
 
 def test_interrupted_runs_resume_from_cached_windows(workspace: dict[str, Path], tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    tool = load_tool()
+    tool = load_script("tools/eval_long_context.py")
     args = tool_args(workspace, tmp_path / "out")
     assert tool.main(args) == 0
     expected = json.loads((tmp_path / "out" / "results.json").read_text())
@@ -127,7 +117,7 @@ def test_attention_backend_choice(workspace: dict[str, Path], capsys: pytest.Cap
     blocked = sliding_window_perplexity(chunked, documents, 64, 16)
     assert math.isclose(plain.perplexity, blocked.perplexity, rel_tol=1e-5)
 
-    tool = load_tool()
+    tool = load_script("tools/eval_long_context.py")
     out = workspace["books"].parent / "backend_out"
     assert tool.main(["--checkpoints", str(workspace["alibi"]), "--out", str(out), "--passkey-lengths", "210",
                       "--passkey-cases", "1", "--chunk-size", "64"]) == 0
@@ -135,7 +125,7 @@ def test_attention_backend_choice(workspace: dict[str, Path], capsys: pytest.Cap
 
 
 def test_config_overrides_reach_every_checkpoint(workspace: dict[str, Path], tmp_path: Path) -> None:
-    tool = load_tool()
+    tool = load_script("tools/eval_long_context.py")
     assert tool.main(["--checkpoints", str(workspace["rope"]), "--out", str(tmp_path), "--passkey-lengths", "210",
                       "--passkey-cases", "1", "--set", "model.position.scheme=coca", "--quiet"]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
@@ -152,7 +142,7 @@ def test_out_of_memory_names_the_flag_to_change(workspace: dict[str, Path], tmp_
                            "you tried to allocate 68719476736 bytes")
 
     monkeypatch.setattr(long_context, "sliding_window_perplexity", out_of_memory)
-    tool = load_tool()
+    tool = load_script("tools/eval_long_context.py")
     code = tool.main(["--checkpoints", str(workspace[model]), "--out", str(tmp_path), "--ppl-docs",
                       str(workspace["books"]), "--windows", "64", "--stride", "32", "--max-doc-tokens", "128",
                       "--batch-size", "2", "--quiet"])
@@ -171,7 +161,7 @@ def test_out_of_memory_names_the_flag_to_change(workspace: dict[str, Path], tmp_
 ])
 def test_flag_errors(workspace: dict[str, Path], tmp_path: Path, extra: list[str], flag: str,
                      capsys: pytest.CaptureFixture[str]) -> None:
-    tool = load_tool()
+    tool = load_script("tools/eval_long_context.py")
     base = ["--checkpoints", str(workspace["rope"]), "--out", str(tmp_path), "--ppl-docs", str(workspace["books"]),
             "--windows", "32", "--stride", "32", "--max-doc-tokens", "128", "--quiet"]
     assert tool.main(base + extra) == 2

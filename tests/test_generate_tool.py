@@ -3,9 +3,7 @@ RoPE scalings, and errors that name the flag."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -13,16 +11,7 @@ from megatron_lite.checkpoint import load_model
 from megatron_lite.data.tokenizer import Tokenizer
 from megatron_lite.eval.generation import generate_text
 from test_eval_support import make_checkpoint, make_tokenizer, single_thread  # noqa: F401 (fixture)
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("generate_tool", REPO / "tools" / "generate.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from script_loading import load_script
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +35,7 @@ def test_generate_text_is_deterministic(checkpoints: dict[str, Path]) -> None:
 
 
 def test_tool_prints_prompt_and_continuation(checkpoints: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
-    tool = load_tool()
+    tool = load_script("tools/generate.py")
     args = [str(checkpoints["coca"]), "--prompt", "The old man", "--max-new-tokens", "16", "--temperature", "0.7",
             "--top-p", "0.9", "--seed", "2"]
     assert tool.main(args) == 0
@@ -64,6 +53,6 @@ def test_tool_prints_prompt_and_continuation(checkpoints: dict[str, Path], capsy
 ])
 def test_tool_errors(checkpoints: dict[str, Path], checkpoint: str, extra: list[str], flag: str,
                      capsys: pytest.CaptureFixture[str]) -> None:
-    tool = load_tool()
+    tool = load_script("tools/generate.py")
     assert tool.main([str(checkpoints[checkpoint]), "--temperature", "1", *extra]) == 2
     assert flag in capsys.readouterr().err

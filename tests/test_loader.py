@@ -3,7 +3,6 @@ cache reuse, explicit weights, the inspect and bench tools."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pickle
 import sys
@@ -26,6 +25,7 @@ from megatron_lite.data.manifest import (
     load_manifest,
     save_manifest,
 )
+from script_loading import load_script
 
 EOD = 0
 SEQ = 32
@@ -227,13 +227,6 @@ def test_user_errors_name_the_problem(cache, tmp_path):
         assert build_train_valid_datasets(make_config(cache_dir, mix, validation_fraction=0.0), manifest, 10, 5)[1] is None
 
 
-def _tool(name: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _write_run_config(tmp_path: Path, cache_dir: Path, mix: Path) -> Path:
     path = tmp_path / "run.yml"
     path.write_text(yaml.safe_dump({"model": {"seq_length": SEQ, "vocab_size": 8000},
@@ -243,7 +236,7 @@ def _write_run_config(tmp_path: Path, cache_dir: Path, mix: Path) -> Path:
 
 def test_inspect_data_json(cache, tmp_path, capsys):
     cache_dir, mix, manifest = cache
-    assert _tool("inspect_data").main(["--config", str(_write_run_config(tmp_path, cache_dir, mix)),
+    assert load_script("tools/inspect_data.py").main(["--config", str(_write_run_config(tmp_path, cache_dir, mix)),
                                        "--num-samples", "1000", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["group_token_share"] == pytest.approx({"text": 0.75, "code": 0.25}, abs=0.005)
@@ -259,7 +252,7 @@ def test_inspect_data_without_manifest(tmp_path, capsys, monkeypatch):
     empty = tmp_path / "empty"
     config_path = _write_run_config(tmp_path, empty, empty / "mix.yml")
     monkeypatch.setitem(sys.modules, "megatron_lite.data.preprocess", types.ModuleType("megatron_lite.data.preprocess"))
-    assert _tool("inspect_data").main(["--config", str(config_path), "--num-samples", "10"]) == 2
+    assert load_script("tools/inspect_data.py").main(["--config", str(config_path), "--num-samples", "10"]) == 2
     assert "python tools/preprocess_data.py --config" in capsys.readouterr().err
 
     def prepare_data(config):  # stands in for the preprocessing engineer's function
@@ -268,7 +261,7 @@ def test_inspect_data_without_manifest(tmp_path, capsys, monkeypatch):
     fake = types.ModuleType("megatron_lite.data.preprocess")
     fake.prepare_data = prepare_data
     monkeypatch.setitem(sys.modules, "megatron_lite.data.preprocess", fake)
-    assert _tool("inspect_data").main(["--config", str(config_path), "--num-samples", "100"]) == 0
+    assert load_script("tools/inspect_data.py").main(["--config", str(config_path), "--num-samples", "100"]) == 0
     assert "| text |" in capsys.readouterr().out
     assert load_manifest(empty).sources.keys() == SOURCES.keys()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
@@ -19,6 +18,7 @@ from megatron_lite.data.manifest import load_manifest
 from megatron_lite.data.preprocess import BadRecordError, prepare_data
 from megatron_lite.data.sample_corpus import stdlib_dir
 from megatron_lite.data.tokenizer import Tokenizer, file_sha256, train_tokenizer
+from script_loading import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 CODE_FILES = ["textwrap.py", "string.py", "json/decoder.py", "json/encoder.py", "keyword.py"]
@@ -185,17 +185,10 @@ def test_source_without_documents_is_an_error(tmp_path: Path, model_path: Path) 
         prepare_data(config, progress=False)
 
 
-def _load_script(path: Path) -> Any:
-    spec = importlib.util.spec_from_file_location(path.stem + "_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_preprocess_cli(tmp_path: Path, model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config_path = tmp_path / "run.yml"
     config_lib.save(_config(tmp_path, model_path), config_path)
-    cli = _load_script(REPO / "tools/preprocess_data.py")
+    cli = load_script("tools/preprocess_data.py")
     assert cli.main(["--config", str(config_path), "--strict", "--quiet"]) == 2
     assert f"{tmp_path / 'prose.jsonl'}:5: invalid_json" in capsys.readouterr().err
     assert cli.main(["--config", str(config_path), "--workers", "1", "--documents-per-shard", "4"]) == 0
@@ -209,7 +202,7 @@ def test_sample_recipe_trains_tokenizer_and_shards(tmp_path: Path, monkeypatch: 
     """data/sample/prepare.py on a small mix (the real sample corpus takes ~15 s; see docs/data.md)."""
     _config(tmp_path, None)  # writes the data files
     monkeypatch.chdir(tmp_path)  # the script chdirs to the repo root; monkeypatch restores the cwd
-    recipe = _load_script(REPO / "data/sample/prepare.py")
+    recipe = load_script("data/sample/prepare.py")
     overrides = [f"data.mix={tmp_path / 'mix.yml'}", f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=400",
                  "data.tokenizer.sample_chars=60000", "data.num_workers=1"]
     argv = ["--config", str(REPO / "configs/tiny/coca_slack.yml")] + [a for o in overrides for a in ("--set", o)]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pickle
 import random
@@ -16,8 +15,8 @@ from megatron_lite.data.mix import load_mix
 from megatron_lite.data.sample_corpus import stdlib_dir
 from megatron_lite.data.tokenizer import (EOD_ID, PAD_ID, Tokenizer, ensure_tokenizer, sample_mix, train_tokenizer,
                                           training_sentences)
+from script_loading import load_script
 
-REPO = Path(__file__).resolve().parents[1]
 STDLIB_FILES = ["textwrap.py", "json/decoder.py", "tokenize.py", "string.py", "difflib.py"]
 WORDS = "the of and to in is was for on that with as by at from his her it an were are which this be".split()
 
@@ -174,9 +173,7 @@ def test_train_tokenizer_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     config = _config(tmp_path)
     config_path = tmp_path / "run.yml"
     config_lib.save(config, config_path)
-    spec = importlib.util.spec_from_file_location("train_tokenizer_cli", REPO / "tools/train_tokenizer.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("tools/train_tokenizer.py")
     assert cli.main(["--config", str(config_path), "--vocab-size", "380", "--out", str(tmp_path / "out")]) == 0
     assert Tokenizer(tmp_path / "out/tokenizer.model").vocab_size == 380
     assert "380 pieces" in capsys.readouterr().out
