@@ -275,20 +275,15 @@ class LongContextEvaluation:
                         self.log(f"{entry.name}: window {window} skipped (learned positions end at "
                                  f"{info['max_length']})")
                         continue
-                    result = self.cache.get("ppl", entry.name, spec.name, window, ppl_key)
-                    if result is None:
-                        result = self.perplexity(entry, spec, window)
-                        self.cache.put("ppl", entry.name, spec.name, window, ppl_key, result)
-                    self.perplexity_rows.append(result)
+                    self.perplexity_rows.append(self.cache.get_or_compute(
+                        "ppl", entry.name, spec.name, window, ppl_key, lambda: self.perplexity(entry, spec, window)))
             for length in settings.passkey_lengths:
                 if info["max_length"] is not None and length + NUM_NEW_TOKENS > info["max_length"]:
                     self.log(f"{entry.name}: passkey length {length} skipped (learned positions end at "
                              f"{info['max_length']})")
                     continue
-                result = self.cache.get("passkey", entry.name, spec.name, length, passkey_key)
-                if result is None:
-                    result = self.passkey(entry, spec, length)
-                    self.cache.put("passkey", entry.name, spec.name, length, passkey_key, result)
+                result = self.cache.get_or_compute("passkey", entry.name, spec.name, length, passkey_key,
+                                                   lambda: self.passkey(entry, spec, length))
                 cases = result.pop("case_records")
                 self.passkey_rows.append(result)
                 self.passkey_cases.extend({"model": entry.name, "scaling": spec.name, **case} for case in cases)

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,3 +54,12 @@ class ResultCache:
         temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
         temporary.write_text(json.dumps({"fingerprint": key, "result": result}, indent=1))
         os.replace(temporary, path)
+
+    def get_or_compute(self, kind: str, model: str, scaling: str, size: int, key: str,
+                       compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """The cached result, or ``compute()``'s, stored before it is returned."""
+        result = self.get(kind, model, scaling, size, key)
+        if result is None:
+            result = compute()
+            self.put(kind, model, scaling, size, key, result)
+        return result
