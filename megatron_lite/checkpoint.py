@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,14 +187,25 @@ def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu",
     attention backend for evaluation); they must not change the parameter shapes.
     """
     from megatron_lite.model import GPT
+    from megatron_lite.model.attention import flash_available
 
     state, config, tokenizer = load_state_dict(path)
+    dtype = dtype or torch.float32
+    overrides = list(overrides or [])
+    flash_usable = flash_available() and torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    if config.model.attention.backend == "flash" and not flash_usable and not any(
+            key.startswith("model.attention.backend=") for key in overrides):
+        # The kernel is a run-time choice, not part of the weights: a model trained with flash-attn
+        # must still load on a CPU, or in fp32, where sdpa computes the same attention.
+        warnings.warn(f"{path}: saved with model.attention.backend=flash, which needs flash-attn, CUDA and bf16/fp16 "
+                      f"(here: {torch.device(device).type}, {dtype}); using sdpa", stacklevel=2)
+        overrides.append("model.attention.backend=sdpa")
     if overrides:
         config = config_lib.from_dict(config_lib.apply_overrides(config_lib.to_dict(config), overrides))
     with torch.device(device):
         model = GPT(config.model)
     load_weights(model, state, f"{path}: checkpoint does not match its config")
-    model = model.to(dtype or torch.float32).eval()
+    model = model.to(dtype).eval()
     return LoadedModel(model, config, tokenizer, resolve_checkpoint(path))
 
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_lite.checkpoint import load_model
+from megatron_lite import config as config_lib
+from megatron_lite.checkpoint import load_model, save_consolidated
 from megatron_lite.eval import long_context
 from megatron_lite.eval.long_context import AttentionChoice, choose_attention, with_attention
 from megatron_lite.eval.perplexity import sliding_window_perplexity
@@ -166,3 +167,19 @@ def test_flag_errors(workspace: dict[str, Path], tmp_path: Path, extra: list[str
             "--windows", "32", "--stride", "32", "--max-doc-tokens", "128", "--quiet"]
     assert tool.main(base + extra) == 2
     assert flag in capsys.readouterr().err
+
+
+def test_a_flash_trained_checkpoint_loads_on_cpu_with_sdpa(workspace: dict[str, Path], tmp_path: Path) -> None:
+    """The kernel is a run-time choice: weights saved by a flash-attn run must evaluate without flash-attn."""
+    rope = load_model(workspace["rope"])
+    flash_config = config_lib.from_dict(config_lib.apply_overrides(config_lib.to_dict(rope.config),
+                                                                   ["model.attention.backend=flash", "precision=bf16"]))
+    flash_dir = save_consolidated(rope.model.state_dict(), flash_config, tmp_path / "flash", rope.tokenizer_path)
+    with pytest.warns(UserWarning, match=r"saved with model.attention.backend=flash.*cpu.*using sdpa"):
+        loaded = load_model(flash_dir, "cpu")
+    assert loaded.config.model.attention.backend == "sdpa"
+    tokens = torch.randint(0, 300, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded.model(tokens), rope.model(tokens))
+    chunked = load_model(flash_dir, "cpu", overrides=["model.attention.backend=chunked"])  # an explicit choice wins
+    assert chunked.config.model.attention.backend == "chunked"

@@ -208,6 +208,7 @@ class LongContextEvaluation:
             entry.choice = choose_attention(entry.loaded.config, settings.attention_backend, settings.chunk_size,
                                             settings.device)
             entry.model = with_attention(entry.loaded, entry.choice)
+            entry.loaded.model = entry.model  # drop the first build, if rebuilt: one copy of the weights
             self.log(f"{entry.name}: {scheme_label(entry.loaded.config)}, trained on "
                      f"{entry.loaded.config.model.seq_length} tokens, from {entry.loaded.source}; "
                      f"{entry.choice.describe()}")

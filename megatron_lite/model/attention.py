@@ -134,10 +134,14 @@ def reference_attention(
     return probs @ v_BHSD
 
 
+def flash_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+
+
 def check_backend_available(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"model.attention.backend={backend!r}: must be one of {', '.join(BACKENDS)}")
-    if backend == "flash" and (importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available()):
+    if backend == "flash" and not flash_available():
         raise ValueError(
             "model.attention.backend='flash' needs the flash-attn package and a CUDA device; "
             "use 'sdpa' (FlashAttention through PyTorch) or 'chunked'"
