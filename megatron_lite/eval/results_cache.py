@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from megatron_lite.checkpoint import write_text_atomic
 
 
 def fingerprint(settings: dict[str, Any]) -> str:
@@ -51,9 +52,7 @@ class ResultCache:
     def put(self, kind: str, model: str, scaling: str, size: int, key: str, result: dict[str, Any]) -> None:
         path = self.path(kind, model, scaling, size)
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        temporary.write_text(json.dumps({"fingerprint": key, "result": result}, indent=1))
-        os.replace(temporary, path)
+        write_text_atomic(path, json.dumps({"fingerprint": key, "result": result}, indent=1))
 
     def get_or_compute(self, kind: str, model: str, scaling: str, size: int, key: str,
                        compute: Callable[[], dict[str, Any]]) -> dict[str, Any]:

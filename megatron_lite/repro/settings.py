@@ -7,7 +7,6 @@ caches), ``results.json``, ``tables.md``, plots, ``wall_times.json``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from dataclasses import dataclass, field, replace
@@ -19,6 +18,7 @@ import yaml
 from megatron_lite import checkpoint as layout
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
+from megatron_lite.data.tokenizer import file_sha256
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMES = ("alibi", "rope", "coca_slack", "coca_strict")
@@ -62,17 +62,13 @@ def _text_files(directory: Path) -> list[Path]:
     return sorted(path for path in directory.rglob("*.txt") if path.is_file())
 
 
-def _file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def check_no_overlap(books: Path, eval_books: Path) -> None:
     """ValueError if an evaluation book is also a training book (same content): test-set leakage."""
     if not eval_books.is_dir():
         return
-    training = {_file_digest(path): path for path in _text_files(books)}
+    training = {file_sha256(path): path for path in _text_files(books)}
     shared = [(path, training[digest]) for path in _text_files(eval_books)
-              if (digest := _file_digest(path)) in training]
+              if (digest := file_sha256(path)) in training]
     if shared:
         examples = ", ".join(f"{a.name} = {b.name}" for a, b in shared[:3])
         raise ValueError(f"--eval-books {eval_books}: {len(shared)} book(s) are also in --books {books} ({examples}); "

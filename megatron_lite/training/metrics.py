@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from megatron_lite.checkpoint import write_text_atomic
 from megatron_lite.config import Config, ModelConfig
 from megatron_lite.model.params import analytic_parameter_count
 
@@ -119,9 +120,7 @@ def drop_rows_after(path: Path, step: int) -> int:
     rows = read_metrics(path)
     kept = [row for row in rows if row.get("step", 0) <= step]
     if len(kept) < len(rows):
-        staging = path.with_suffix(".jsonl.tmp")
-        staging.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        os.replace(staging, path)  # atomic: a crash here leaves the old file or the new one
+        write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in kept))  # a crash leaves old or new
     return len(rows) - len(kept)
 
 
