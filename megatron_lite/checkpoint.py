@@ -201,7 +201,7 @@ def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu",
                       f"(here: {torch.device(device).type}, {dtype}); using sdpa", stacklevel=2)
         overrides.append("model.attention.backend=sdpa")
     if overrides:
-        config = config_lib.from_dict(config_lib.apply_overrides(config_lib.to_dict(config), overrides))
+        config = config_lib.with_overrides(config, overrides)
     with torch.device(device):
         model = GPT(config.model)
     load_weights(model, state, f"{path}: checkpoint does not match its config")

@@ -458,6 +458,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def with_overrides(config: Config, overrides: list[str]) -> Config:
+    """A validated copy of ``config`` with ``--set`` style overrides applied."""
+    return from_dict(apply_overrides(to_dict(config), overrides))
+
+
 def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply ``--set`` style overrides, validate."""
     path = Path(path)

@@ -172,8 +172,7 @@ def test_flag_errors(workspace: dict[str, Path], tmp_path: Path, extra: list[str
 def test_a_flash_trained_checkpoint_loads_on_cpu_with_sdpa(workspace: dict[str, Path], tmp_path: Path) -> None:
     """The kernel is a run-time choice: weights saved by a flash-attn run must evaluate without flash-attn."""
     rope = load_model(workspace["rope"])
-    flash_config = config_lib.from_dict(config_lib.apply_overrides(config_lib.to_dict(rope.config),
-                                                                   ["model.attention.backend=flash", "precision=bf16"]))
+    flash_config = config_lib.with_overrides(rope.config, ["model.attention.backend=flash", "precision=bf16"])
     flash_dir = save_consolidated(rope.model.state_dict(), flash_config, tmp_path / "flash", rope.tokenizer_path)
     with pytest.warns(UserWarning, match=r"saved with model.attention.backend=flash.*cpu.*using sdpa"):
         loaded = load_model(flash_dir, "cpu")

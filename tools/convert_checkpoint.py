@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from megatron_lite.convert import TARGETS, convert_checkpoint
-from megatron_lite.convert.conversion import DTYPES
+from megatron_lite.model.gpt import DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ import torch
 from megatron_lite import config as config_lib
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.attention import BACKENDS, SelfAttention, check_backend_available
+from megatron_lite.model.gpt import DTYPES
 from megatron_lite.model.position import PositionContext, PositionScheme, build_position_scheme, build_rotary
 from megatron_lite.model.rope import RotaryEmbedding
 from megatron_lite.bench.memory import track_peak_memory
@@ -45,7 +46,6 @@ SCHEMES: dict[str, tuple[str, str]] = {
     "coca_strict": ("coca", "strict"),
 }
 BASELINE = "rope"
-DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MB = 2**20
 GB = 2**30
 CPU_MEM_BUDGET_GB = 8.0

@@ -93,8 +93,8 @@ def _build(label: str, config: Config) -> tuple[torch.nn.Module, bool]:
     if spec == "hf":
         return hf_gpt_neox(config).train(), True
     scheme, constraint = spec
-    variant = config_lib.from_dict(config_lib.apply_overrides(
-        config_lib.to_dict(config), [f"model.position.scheme={scheme}", f"model.position.constraint={constraint}"]))
+    variant = config_lib.with_overrides(config, [f"model.position.scheme={scheme}",
+                                                 f"model.position.constraint={constraint}"])
     return GPT(variant.model).train(), False
 
 

@@ -30,9 +30,9 @@ from megatron_lite.convert import layout
 from megatron_lite.convert.hf_config import uses_stock_model
 from megatron_lite.convert.hf_export import export_hf
 from megatron_lite.convert.hf_import import import_hf
+from megatron_lite.model.gpt import DTYPES
 
 TARGETS = ("hf", "safetensors", "megatron_lite")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass

@@ -137,7 +137,7 @@ def with_attention(loaded: LoadedModel, choice: AttentionChoice) -> GPT:
     if attention.backend == choice.backend and attention.chunk_size == choice.chunk_size:
         return loaded.model
     overrides = [f"model.attention.backend={choice.backend}", f"model.attention.chunk_size={choice.chunk_size}"]
-    config = config_lib.from_dict(config_lib.apply_overrides(config_lib.to_dict(loaded.config), overrides))
+    config = config_lib.with_overrides(loaded.config, overrides)
     parameter = next(loaded.model.parameters())
     with torch.device(parameter.device):
         model = GPT(config.model)
