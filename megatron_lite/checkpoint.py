@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from megatron_lite import config as config_lib
-from megatron_lite.config import Config
+from megatron_lite.config import Config, ModelConfig
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -159,15 +159,34 @@ def load_state_dict(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
     return state, config, tokenizer if tokenizer.is_file() else None
 
 
+def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in ``GPT(model).state_dict()`` (built on the meta device, no memory)."""
+    from megatron_lite.model import GPT
+
+    with torch.device("meta"):
+        instance = GPT(model)
+    return {name: tuple(tensor.shape) for name, tensor in instance.state_dict().items()}
+
+
+def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], source: str) -> None:
+    """One ValueError listing every missing, unexpected and mis-shaped tensor (nothing when all match)."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshaped = sorted(
+        f"{name} {tuple(state[name].shape)} (expected {expected[name]})"
+        for name in set(state) & set(expected)
+        if tuple(state[name].shape) != expected[name]
+    )
+    problems = [f"missing: {', '.join(missing)}"] if missing else []
+    problems += [f"unexpected: {', '.join(unexpected)}"] if unexpected else []
+    problems += [f"wrong shape: {', '.join(misshaped)}"] if misshaped else []
+    if problems:
+        raise ValueError(f"{source}: tensors do not match the model config — " + "; ".join(problems))
+
+
 def load_weights(model: torch.nn.Module, state: dict[str, torch.Tensor], context: str) -> None:
     """Strict load; one ValueError (prefixed by ``context``) listing missing, unexpected and mis-shaped tensors."""
-    own = model.state_dict()
-    problems = [f"missing {name}" for name in own if name not in state]
-    problems += [f"unexpected {name}" for name in state if name not in own]
-    problems += [f"{name} has shape {tuple(state[name].shape)}, expected {tuple(own[name].shape)}"
-                 for name in own if name in state and state[name].shape != own[name].shape]
-    if problems:
-        raise ValueError(f"{context}: {', '.join(problems)}")
+    check_tensors(state, {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}, context)
     model.load_state_dict(state)
 
 
@@ -204,7 +223,7 @@ def load_model(path: str | os.PathLike[str], device: str | torch.device = "cpu",
         config = config_lib.with_overrides(config, overrides)
     with torch.device(device):
         model = GPT(config.model)
-    load_weights(model, state, f"{path}: checkpoint does not match its config")
+    load_weights(model, state, str(path))
     model = model.to(dtype).eval()
     return LoadedModel(model, config, tokenizer, resolve_checkpoint(path))
 

@@ -59,7 +59,7 @@ def load_checkpoint(path: str | os.PathLike[str]) -> LoadedCheckpoint:
         state, config, tokenizer = import_hf(resolved)
     else:
         state, config, tokenizer = checkpoint.load_state_dict(resolved)
-        layout.check_tensors(state, layout.expected_shapes(config.model), str(resolved))
+        checkpoint.check_tensors(state, checkpoint.expected_shapes(config.model), str(resolved))
     return LoadedCheckpoint(state, config, tokenizer, kind)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_lite.checkpoint import check_tensors, expected_shapes
 from megatron_lite.config import ModelConfig
 
 HF_PREFIX = "gpt_neox."
@@ -52,31 +53,6 @@ def hf_to_framework_name(name: str) -> str:
     if name.startswith(HF_PREFIX):
         return name[len(HF_PREFIX):]
     return name  # left as is: the shape check reports it as unexpected
-
-
-def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor in ``GPT(model).state_dict()`` (built on the meta device, no memory)."""
-    from megatron_lite.model import GPT
-
-    with torch.device("meta"):
-        instance = GPT(model)
-    return {name: tuple(tensor.shape) for name, tensor in instance.state_dict().items()}
-
-
-def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], source: str) -> None:
-    """One ValueError listing every missing, unexpected and mis-shaped tensor (nothing when all match)."""
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    misshaped = sorted(
-        f"{name} {tuple(state[name].shape)} (expected {expected[name]})"
-        for name in set(state) & set(expected)
-        if tuple(state[name].shape) != expected[name]
-    )
-    problems = [f"missing: {', '.join(missing)}"] if missing else []
-    problems += [f"unexpected: {', '.join(unexpected)}"] if unexpected else []
-    problems += [f"wrong shape: {', '.join(misshaped)}"] if misshaped else []
-    if problems:
-        raise ValueError(f"{source}: tensors do not match the model config — " + "; ".join(problems))
 
 
 def to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:

@@ -110,17 +110,10 @@ def find_resume_checkpoint(resume: str, run_dir: Path) -> Path | None:
     return step_dir
 
 
-def _parameter_shapes(config: Config) -> dict[str, tuple[int, ...]]:
-    from megatron_lite.model import GPT
-
-    with torch.device("meta"):
-        return {name: tuple(p.shape) for name, p in GPT(config.model).named_parameters()}
-
-
 def check_resume_compatible(step_dir: Path, config: Config) -> None:
     """ValueError listing every tensor whose shape differs; warnings for schedule changes."""
     saved = config_lib.load(step_dir / layout.CONFIG_FILE)
-    old, new = _parameter_shapes(saved), _parameter_shapes(config)
+    old, new = layout.expected_shapes(saved.model), layout.expected_shapes(config.model)
     names = list(new) + [name for name in old if name not in new]  # model order: embed_in first
     problems = [f"{name}: checkpoint {old.get(name)} vs config {new.get(name)}"
                 for name in names if old.get(name) != new.get(name)]

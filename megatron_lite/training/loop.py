@@ -26,7 +26,7 @@ from megatron_lite.training import metrics as metrics_lib
 from megatron_lite.training.checkpointing import (
     TrainingState, check_resume_compatible, find_resume_checkpoint, load_checkpoint, save_checkpoint,
 )
-from megatron_lite.training.data import TrainingData, prepare_training_data
+from megatron_lite.training.data import prepare_training_data
 from megatron_lite.training.deepspeed_config import batch_layout, deepspeed_config
 from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, init_distributed
 from megatron_lite.training.optim import build_optimizer
@@ -276,7 +276,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
 def _load_initial_weights(model: GPT, config: Config) -> None:
     """train.init_from: weights only; every tensor must match the config."""
     state, _, _ = layout.load_state_dict(config.train.init_from)
-    layout.load_weights(model, state, f"train.init_from={config.train.init_from}: weights do not match the config")
+    layout.load_weights(model, state, f"train.init_from={config.train.init_from}")
 
 
 def _progress_bar(dist_info: DistributedInfo, start: int, total: int) -> Any:
