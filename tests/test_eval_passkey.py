@@ -100,7 +100,7 @@ class KeyCopier(nn.Module):
     def new_cache(self, max_length: int) -> StandInCache:
         return StandInCache(max_length)
 
-    def forward(self, input_ids_BT: torch.Tensor, cache: StandInCache) -> torch.Tensor:
+    def forward(self, input_ids_BT: torch.Tensor, cache: StandInCache, logits_from: int = 0) -> torch.Tensor:
         history = input_ids_BT if cache.history is None else torch.cat([cache.history, input_ids_BT], dim=1)
         assert history.shape[1] <= cache.max_length
         cache.history = history
@@ -111,7 +111,7 @@ class KeyCopier(nn.Module):
             answer = self.tokenizer.encode(f" {key}. Remember it.") + [self.tokenizer.eod_id]
             generated = len(ids) - (cache.max_length - 64)
             logits_BTV[row, -1, answer[min(generated, len(answer) - 1)]] = 1.0
-        return logits_BTV
+        return logits_BTV[:, logits_from:]
 
 
 @pytest.mark.parametrize("offset,expected_accuracy", [(0, 1.0), (1, 0.0)])

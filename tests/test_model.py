@@ -83,6 +83,16 @@ def test_activation_checkpointing_gives_the_same_gradients() -> None:
     torch.testing.assert_close(gradients[0], gradients[1])
 
 
+def test_logits_from_returns_the_suffix_of_the_full_logits() -> None:
+    model = build_model(tiny_config("coca", "strict")).eval()
+    ids_BT = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full_BTV = model(ids_BT)
+        suffix_BTV = model(ids_BT, logits_from=17)
+    assert suffix_BTV.shape == (2, 7, full_BTV.shape[-1])
+    torch.testing.assert_close(suffix_BTV, full_BTV[:, 17:])
+
+
 def test_learned_positions_refuse_to_extrapolate() -> None:
     model = build_model(tiny_config("learned", max_position_embeddings=16)).eval()
     with pytest.raises(ValueError, match="max_position_embeddings=16"):

@@ -62,7 +62,7 @@ def generate(
     finished = torch.zeros(prompt_ids_BT.shape[0], dtype=torch.bool, device=prompt_ids_BT.device)
     next_input = prompt_ids_BT
     for _ in range(max_new_tokens):
-        logits_BV = model(next_input, cache=cache)[:, -1]
+        logits_BV = model(next_input, cache=cache, logits_from=next_input.shape[1] - 1)[:, -1]  # (B, V)
         next_token = sample_next_token(logits_BV, temperature, top_k, top_p, generator)
         if eos_token_id is not None:
             next_token = next_token.masked_fill(finished, eos_token_id)

@@ -74,7 +74,7 @@ def batches_of_equal_length(spans: Sequence[WindowSpan], batch_size: int) -> lis
     return batches
 
 
-LogitsFn = Callable[..., torch.Tensor]  # model(input_ids_BT, positions=..., rope_length=...) -> (B, T, V)
+LogitsFn = Callable[..., torch.Tensor]  # model(input_ids_BT, positions=, rope_length=, logits_from=) -> (B, T-from, V)
 
 
 @torch.no_grad()
@@ -100,9 +100,10 @@ def token_nlls(
         length = batch[0].length
         ids_BT = torch.stack([token_ids[span.begin : span.end] for span in batch]).to(device)
         positions_T = torch.arange(length, device=device)
-        logits_BTV = model(ids_BT, positions=positions_T, rope_length=length)
+        logits_from = min(span.first_target - 1 - span.begin for span in batch)  # earlier positions score nothing
+        logits_BTV = model(ids_BT, positions=positions_T, rope_length=length, logits_from=logits_from)
         for row, span in enumerate(batch):
-            first_position = span.first_target - 1 - span.begin
+            first_position = span.first_target - 1 - span.begin - logits_from
             logits_SV = logits_BTV[row, first_position : first_position + span.num_scored].float()  # (S, V)
             scored = slice(span.first_target, span.first_target + span.num_scored)
             targets_S = token_ids[scored].to(device)

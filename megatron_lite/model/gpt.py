@@ -115,12 +115,15 @@ class GPT(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         rope_length: int | None = None,
+        logits_from: int = 0,
     ) -> torch.Tensor:
-        """Logits (B, T, padded_vocab).
+        """Logits (B, T - logits_from, padded_vocab): the positions from ``logits_from`` on.
 
         positions: (T,) ascending; default continues after what ``cache`` holds.
         rope_length: length that fixes the dynamic-NTK base; default the cache's max_length
         (the final length of a generation) or, without a cache, the last position + 1.
+        logits_from: skip the LM head before this position; evaluation and decoding need only a
+        suffix, and the (T, V) head output is the largest activation at long windows.
         """
         length = input_ids_BT.shape[1]
         offset = cache.length if cache is not None else 0
@@ -147,7 +150,7 @@ class GPT(nn.Module):
                 x_BTC = checkpoint(layer, x_BTC, self.position, ctx, None, use_reentrant=False)
             else:
                 x_BTC = layer(x_BTC, self.position, ctx, layer_cache)
-        return self.lm_head(self.final_layer_norm(x_BTC))
+        return self.lm_head(self.final_layer_norm(x_BTC[:, logits_from:]))
 
 
 def language_model_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
