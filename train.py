@@ -10,13 +10,13 @@ data.cache_dir and built on first use.
 from __future__ import annotations
 
 import argparse
-import sys
-import warnings
 from pathlib import Path
+
+from megatron_lite.cli import cli_main, run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="example: python train.py --config configs/tiny/coca_slack.yml "
                                             "--set model.position.constraint=strict --train-iters 100")
@@ -32,22 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from megatron_lite import config as config_lib
 
-    try:
-        config = config_lib.load(args.config, args.set)
-        from megatron_lite.training.loop import run_training
+    config = config_lib.load(args.config, args.set)
+    from megatron_lite.training.loop import run_training
 
-        run_dir = args.run_dir or Path("runs") / Path(args.config).stem
-        result = run_training(config, run_dir, resume=args.resume, train_iters=args.train_iters)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return result.exit_code
+    run_dir = args.run_dir or Path("runs") / Path(args.config).stem
+    return run_training(config, run_dir, resume=args.resume, train_iters=args.train_iters).exit_code
 
 
 if __name__ == "__main__":
-    warnings.simplefilter("default")
-    sys.exit(main())
+    run_cli(main)

@@ -61,5 +61,6 @@ def training_corpus(tmp_path_factory: pytest.TempPathFactory):
 
     root = tmp_path_factory.mktemp("training_corpus")
     mix, cache = make_corpus(root / "corpus"), root / "cache"
-    prepare_data(config_lib.from_dict(tiny_train_config(mix, cache)), progress=False)
+    config = config_lib.from_dict(tiny_train_config(mix, cache))
+    prepare_data(config.data, config.model.vocab_size, progress=False)
     return mix, cache

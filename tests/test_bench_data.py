@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from megatron_lite import config as config_lib
-from megatron_lite.data.bench import export_mix_to_jsonl, format_report, run_benchmark
+from megatron_lite.bench.data_bench import export_mix_to_jsonl, format_report, run_benchmark
 from megatron_lite.data.mix import load_mix
 from megatron_lite.data.sources import Document, read_source
 from training_helpers import make_corpus, tiny_train_config

@@ -128,7 +128,7 @@ def test_every_key_is_documented_and_docs_are_current() -> None:
             if dataclasses.is_dataclass(item.default_factory) if item.default_factory is not dataclasses.MISSING else False:
                 walk(item.default_factory)
 
-    from megatron_lite.data.mix import GroupConfig, MixConfig, SourceConfig
+    from megatron_lite.config import GroupConfig, MixConfig, SourceConfig
 
     walk(config_lib.Config)
     for cls in (MixConfig, GroupConfig, SourceConfig):

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import SCHEME_IDS, SCHEMES
 from megatron_lite import config as config_lib
-from megatron_lite.checkpoint import load_model, save_consolidated
 from megatron_lite.convert import convert_checkpoint
+from megatron_lite.weights import load_model, save_consolidated
 from test_convert_hf import TOLERANCE, converter_config, random_model, train_small_tokenizer
 from script_loading import load_script
 

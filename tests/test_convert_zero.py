@@ -4,7 +4,7 @@ weights the engines held, and all of them to the same weights.
 The test launches this file as a DeepSpeed worker on CPU: once with plain python (1 rank) and once
 with the real launcher, ``deepspeed --num_gpus 2`` (2 ranks, gloo). Each worker trains the same tiny
 model for two SGD steps on the same global batch under each ZeRO stage, saves a checkpoint in the
-run layout of megatron_lite/checkpoint.py (DeepSpeed tag dir + config.yml + COMPLETE marker), and
+run layout of megatron_lite/checkpoint_dirs.py (DeepSpeed tag dir + config.yml + COMPLETE marker), and
 saves the live fp32 weights it gathered from the engine next to it for comparison.
 """
 
@@ -55,7 +55,7 @@ def worker(root: Path) -> None:
     from safetensors.torch import save_file
 
     from conftest import tiny_config
-    from megatron_lite import checkpoint
+    from megatron_lite import checkpoint_dirs
     from megatron_lite import config as config_lib
     from megatron_lite.model import GPT, language_model_loss
 
@@ -76,13 +76,13 @@ def worker(root: Path) -> None:
             engine.backward(language_model_loss(engine(mine[:, :-1]), mine[:, 1:]))
             engine.step()
         target = run_dir(root, stage, world_size)
-        engine.save_checkpoint(str(target / checkpoint.CHECKPOINTS_DIR), tag=TAG)
+        engine.save_checkpoint(str(target / checkpoint_dirs.CHECKPOINTS_DIR), tag=TAG)
         live = gathered_weights(engine, stage)
         if rank == 0:
-            step_dir = target / checkpoint.CHECKPOINTS_DIR / TAG
-            config_lib.save(config, target / checkpoint.CONFIG_FILE)
-            config_lib.save(config, step_dir / checkpoint.CONFIG_FILE)
-            (step_dir / checkpoint.COMPLETE_MARKER).write_text(json.dumps({"step": STEPS, "world_size": world_size}))
+            step_dir = target / checkpoint_dirs.CHECKPOINTS_DIR / TAG
+            config_lib.save(config, target / checkpoint_dirs.CONFIG_FILE)
+            config_lib.save(config, step_dir / checkpoint_dirs.CONFIG_FILE)
+            (step_dir / checkpoint_dirs.COMPLETE_MARKER).write_text(json.dumps({"step": STEPS, "world_size": world_size}))
             save_file(live, str(target / LIVE_WEIGHTS))
         torch.distributed.barrier()
 
@@ -121,10 +121,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_checkpoint_consolidates_to_the_engine_weights(checkpoints: Path, stage: int, world_size: int) -> None:
     from safetensors.torch import load_file
 
-    from megatron_lite.convert import load_checkpoint
+    from megatron_lite.convert import read_checkpoint
 
     target = run_dir(checkpoints, stage, world_size)
-    loaded = load_checkpoint(target)  # run dir -> latest complete step dir -> DeepSpeed's consolidation
+    loaded = read_checkpoint(target)  # run dir -> latest complete step dir -> DeepSpeed's consolidation
     live = load_file(str(target / LIVE_WEIGHTS))
     assert loaded.kind == "step" and loaded.state.keys() == live.keys()
     for name, tensor in live.items():
@@ -132,15 +132,15 @@ def test_checkpoint_consolidates_to_the_engine_weights(checkpoints: Path, stage:
 
 
 def test_every_stage_and_world_size_gives_the_same_weights(checkpoints: Path, tmp_path: Path) -> None:
-    from megatron_lite.convert import convert_checkpoint, load_checkpoint
+    from megatron_lite.convert import convert_checkpoint, read_checkpoint
     from megatron_lite.model import GPT
 
-    states = {(stage, world): load_checkpoint(run_dir(checkpoints, stage, world)).state for stage in STAGES for world in (1, 2)}
+    states = {(stage, world): read_checkpoint(run_dir(checkpoints, stage, world)).state for stage in STAGES for world in (1, 2)}
     reference = states[(0, 1)]
     for key, state in states.items():
         for name, tensor in reference.items():
             torch.testing.assert_close(state[name], tensor, rtol=0, atol=1e-6, msg=f"{key} {name}")
-    config = load_checkpoint(run_dir(checkpoints, 0, 1)).config
+    config = read_checkpoint(run_dir(checkpoints, 0, 1)).config
     torch.manual_seed(0)
     initial = GPT(config.model).state_dict()
     assert max((reference[name] - initial[name]).abs().max().item() for name in initial) > 1e-3  # training moved them
@@ -148,6 +148,14 @@ def test_every_stage_and_world_size_gives_the_same_weights(checkpoints: Path, tm
     step_dir = run_dir(checkpoints, 3, 2) / "checkpoints" / TAG
     result = convert_checkpoint(step_dir, tmp_path / "hf", "hf")
     assert result.source_kind == "step" and (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_the_cli_names_the_step_it_exported(checkpoints: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from script_loading import load_script
+
+    cli = load_script("tools/convert_checkpoint.py")
+    assert cli.main([str(run_dir(checkpoints, 0, 1)), str(tmp_path / "out"), "--to", "safetensors"]) == 0
+    assert f"(step dir, training step {STEPS}) -> " in capsys.readouterr().out  # a run dir: its latest checkpoint
 
 
 if __name__ == "__main__":

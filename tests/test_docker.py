@@ -271,7 +271,7 @@ def test_dockerignore_keeps_data_runs_and_caches_out() -> None:
                  "megatron_lite.egg-info/PKG-INFO", "bench_attention.json", "model.safetensors",
                  ".venv/bin/python", ".deepspeed_env", "hostfile"):
         assert is_excluded(path, rules), f"{path} would be sent to the Docker daemon"
-    for path in ("megatron_lite/config.py", "configs/coca_350m.yml", "configs/data/paper_mix.yml",
+    for path in ("megatron_lite/config/schema.py", "configs/coca_350m.yml", "configs/data/paper_mix.yml",
                  "data/sample/prepare.py", "data/README.md", "train.py", "docker/sshd.sh", "constraints.txt"):
         assert not is_excluded(path, rules), f"{path} is needed in the image"
     # the matcher itself, on Docker's documented examples
@@ -536,12 +536,12 @@ def _world_size(launcher, hostfile_slots: int = 8) -> int | None:
 
 
 def check_batches(found: Checked) -> None:
-    from megatron_lite.training.deepspeed_config import batch_layout
+    from megatron_lite.training.deepspeed_config import resolve_batch_sizes
 
     for entry in found.deepspeed:
         world = _world_size(entry["launcher"])
         if world is not None and entry["config"] is not None:
-            layout = batch_layout(entry["config"], world)  # ValueError when the triple does not multiply out
+            layout = resolve_batch_sizes(entry["config"], world)  # ValueError when the triple does not multiply out
             assert layout.global_batch_size == 256, "the documented runs keep the paper's global batch"
 
 

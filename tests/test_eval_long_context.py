@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from megatron_lite import config as config_lib
-from megatron_lite.checkpoint import load_model, save_consolidated
 from megatron_lite.eval import long_context
 from megatron_lite.eval.long_context import AttentionChoice, choose_attention, with_attention
 from megatron_lite.eval.perplexity import sliding_window_perplexity
+from megatron_lite.weights import load_model, save_consolidated
 from test_eval_support import make_checkpoint, make_tokenizer, single_thread, write_books  # noqa: F401 (fixture)
 from script_loading import load_script
 

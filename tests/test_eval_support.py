@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from megatron_lite import config as config_lib
-from megatron_lite.checkpoint import save_consolidated
 from megatron_lite.config import Config
 from megatron_lite.data.tokenizer import Tokenizer, train_tokenizer
 from megatron_lite.eval.passkey import FILLER, KEY_SENTENCE, QUESTION, TASK
 from megatron_lite.model import build_model, language_model_loss
+from megatron_lite.weights import save_consolidated
 
 WORDS = ("the of and to in was he it that his her with as had for she at on by which not be this from "
          "but they were all said one so there when an their been would my old man house night door").split()

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lite.checkpoint import load_model
 from megatron_lite.data.tokenizer import Tokenizer
 from megatron_lite.eval.generation import generate_text
+from megatron_lite.weights import load_model
 from test_eval_support import make_checkpoint, make_tokenizer, single_thread  # noqa: F401 (fixture)
 from script_loading import load_script
 

@@ -88,7 +88,7 @@ def stream(dataset, count: int | None = None) -> list[np.ndarray]:
 
 def test_items_and_text_share_from_token_content(cache):
     cache_dir, mix, manifest = cache
-    train, valid = build_train_valid_datasets(make_config(cache_dir, mix), manifest, 10_000, 500)
+    train, valid = build_train_valid_datasets(make_config(cache_dir, mix).data, SEQ, manifest, 10_000, 500)
     item = train[0]
     assert item["input_ids"].shape == (SEQ,) and item["input_ids"].dtype == torch.int64
     torch.testing.assert_close(item["labels"][:-1], item["input_ids"][1:])
@@ -111,23 +111,23 @@ def test_items_and_text_share_from_token_content(cache):
 
 def test_same_seed_same_order_other_seed_different(cache, tmp_path):
     cache_dir, mix, manifest = cache
-    first = stream(build_train_valid_datasets(make_config(cache_dir, mix), manifest, 300, 0)[0])
+    first = stream(build_train_valid_datasets(make_config(cache_dir, mix).data, SEQ, manifest, 300, 0)[0])
     other_dir = tmp_path / "copy"  # a fresh cache dir: the order is rebuilt from scratch
     other_mix, other_manifest = write_cache(other_dir)
-    again = stream(build_train_valid_datasets(make_config(other_dir, other_mix), other_manifest, 300, 0)[0])
-    reseeded = build_train_valid_datasets(make_config(cache_dir, mix, seed=6), manifest, 300, 0)[0]
+    again = stream(build_train_valid_datasets(make_config(other_dir, other_mix).data, SEQ, other_manifest, 300, 0)[0])
+    reseeded = build_train_valid_datasets(make_config(cache_dir, mix, seed=6).data, SEQ, manifest, 300, 0)[0]
     np.testing.assert_array_equal(np.stack(first), np.stack(again))
     assert not np.array_equal(np.stack(first), np.stack(stream(reseeded)))
-    base = build_train_valid_datasets(make_config(cache_dir, mix), manifest, 300, 0)[0]
+    base = build_train_valid_datasets(make_config(cache_dir, mix).data, SEQ, manifest, 300, 0)[0]
     assert (np.asarray(base.dataset.blend_source) != np.asarray(reseeded.dataset.blend_source)).any()
 
 
 def test_ranks_are_disjoint_and_their_union_is_the_single_rank_stream(cache):
     cache_dir, mix, manifest = cache
     config = make_config(cache_dir, mix)
-    single = stream(build_train_valid_datasets(config, manifest, 401, 0)[0])
+    single = stream(build_train_valid_datasets(config.data, SEQ, manifest, 401, 0)[0])
     world = 3
-    ranks = [build_train_valid_datasets(config, manifest, 401, 0, rank=r, world_size=world)[0] for r in range(world)]
+    ranks = [build_train_valid_datasets(config.data, SEQ, manifest, 401, 0, rank=r, world_size=world)[0] for r in range(world)]
     indices = [list(r.global_indices) for r in ranks]
     assert sorted(sum(indices, [])) == list(range(401))
     for r, rank in enumerate(ranks):
@@ -144,8 +144,8 @@ def test_ranks_are_disjoint_and_their_union_is_the_single_rank_stream(cache):
 def test_more_samples_extend_the_order_without_changing_its_beginning(cache):
     cache_dir, mix, manifest = cache
     config = make_config(cache_dir, mix)
-    short = build_train_valid_datasets(config, manifest, 250, 0)[0]
-    long = build_train_valid_datasets(config, manifest, 2500, 0)[0]
+    short = build_train_valid_datasets(config.data, SEQ, manifest, 250, 0)[0]
+    long = build_train_valid_datasets(config.data, SEQ, manifest, 2500, 0)[0]
     assert short.dataset.index.directory != long.dataset.index.directory
     np.testing.assert_array_equal(np.stack(stream(short)), np.stack(stream(long, 250)))
 
@@ -156,8 +156,8 @@ def test_resume_equals_uninterrupted_stream(cache, world_size):
     config = make_config(cache_dir, mix)
     for consumed in (0, 57, 200):
         for rank in range(world_size):
-            full = build_train_valid_datasets(config, manifest, 300, 0, rank, world_size)[0]
-            resumed = build_train_valid_datasets(config, manifest, 300, 0, rank, world_size, consumed_samples=consumed)[0]
+            full = build_train_valid_datasets(config.data, SEQ, manifest, 300, 0, rank, world_size)[0]
+            resumed = build_train_valid_datasets(config.data, SEQ, manifest, 300, 0, rank, world_size, consumed_samples=consumed)[0]
             expected = [k for k in full.global_indices if k >= consumed]
             assert list(resumed.global_indices) == expected
             for i in range(min(5, len(resumed))):
@@ -166,7 +166,7 @@ def test_resume_equals_uninterrupted_stream(cache, world_size):
 
 def test_validation_documents_never_in_training_samples(cache):
     cache_dir, mix, manifest = cache
-    train, valid = build_train_valid_datasets(make_config(cache_dir, mix), manifest, 3000, 400)
+    train, valid = build_train_valid_datasets(make_config(cache_dir, mix).data, SEQ, manifest, 3000, 400)
     seen_train: set[tuple[int, int]] = set()
     seen_valid: set[tuple[int, int]] = set()
     for dataset, seen in ((train, seen_train), (valid, seen_valid)):
@@ -187,9 +187,9 @@ def test_validation_documents_never_in_training_samples(cache):
 def test_cache_reused_across_calls(cache):
     cache_dir, mix, manifest = cache
     config = make_config(cache_dir, mix, seed=11)
-    first, _ = build_train_valid_datasets(config, manifest, 1234, 0)
+    first, _ = build_train_valid_datasets(config.data, SEQ, manifest, 1234, 0)
     mtimes = {p.name: p.stat().st_mtime_ns for p in first.dataset.index.directory.iterdir()}
-    second, _ = build_train_valid_datasets(config, manifest, 1234, 0, rank=1, world_size=2, consumed_samples=10)
+    second, _ = build_train_valid_datasets(config.data, SEQ, manifest, 1234, 0, rank=1, world_size=2, consumed_samples=10)
     assert first.dataset.index.built and not second.dataset.index.built
     assert second.dataset.index.directory == first.dataset.index.directory
     assert {p.name: p.stat().st_mtime_ns for p in second.dataset.index.directory.iterdir()} == mtimes
@@ -198,14 +198,14 @@ def test_cache_reused_across_calls(cache):
 
 def test_explicit_within_group_weights_honoured(tmp_path):
     mix, manifest = write_cache(tmp_path, weights={"prose": 1.0, "books": 4.0, "code": 1.0})
-    train, _ = build_train_valid_datasets(make_config(tmp_path, mix), manifest, 4000, 0)
+    train, _ = build_train_valid_datasets(make_config(tmp_path, mix).data, SEQ, manifest, 4000, 0)
     names = [train.source_names[s] for s in np.asarray(train.dataset.blend_source)]
     assert names.count("code") == 1000 and names.count("books") == 2400 and names.count("prose") == 600
 
 
 def test_pickled_dataset_reads_the_same_samples(cache):
     cache_dir, mix, manifest = cache
-    train, _ = build_train_valid_datasets(make_config(cache_dir, mix), manifest, 100, 0)
+    train, _ = build_train_valid_datasets(make_config(cache_dir, mix).data, SEQ, manifest, 100, 0)
     clone = pickle.loads(pickle.dumps(train))
     for i in (0, 50, 99):
         torch.testing.assert_close(clone[i]["input_ids"], train[i]["input_ids"])
@@ -215,16 +215,16 @@ def test_user_errors_name_the_problem(cache, tmp_path):
     cache_dir, mix, manifest = cache
     config = make_config(cache_dir, mix)
     with pytest.raises(ValueError, match="num_train_samples=0"):
-        build_train_valid_datasets(config, manifest, 0, 0)
+        build_train_valid_datasets(config.data, SEQ, manifest, 0, 0)
     with pytest.raises(ValueError, match="consumed_samples=11"):
-        build_train_valid_datasets(config, manifest, 10, 0, consumed_samples=11)
+        build_train_valid_datasets(config.data, SEQ, manifest, 10, 0, consumed_samples=11)
     with pytest.raises(ValueError, match="rank=2"):
-        build_train_valid_datasets(config, manifest, 10, 0, rank=2, world_size=2)
+        build_train_valid_datasets(config.data, SEQ, manifest, 10, 0, rank=2, world_size=2)
     partial = Manifest(manifest.tokenizer, {k: v for k, v in manifest.sources.items() if k != "books"})
     with pytest.raises(ValueError, match="'books'.*preprocess_data"):
-        build_train_valid_datasets(config, partial, 10, 0)
+        build_train_valid_datasets(config.data, SEQ, partial, 10, 0)
     with pytest.warns(UserWarning, match="validation_fraction"):
-        assert build_train_valid_datasets(make_config(cache_dir, mix, validation_fraction=0.0), manifest, 10, 5)[1] is None
+        assert build_train_valid_datasets(make_config(cache_dir, mix, validation_fraction=0.0).data, SEQ, manifest, 10, 5)[1] is None
 
 
 def _write_run_config(tmp_path: Path, cache_dir: Path, mix: Path) -> Path:
@@ -244,19 +244,16 @@ def test_inspect_data_json(cache, tmp_path, capsys):
     assert report["sources"]["books"]["documents"] == 60 and report["sources"]["books"]["validation_documents"] == 1
     assert report["sample"]["text"] is None and len(report["sample"]["input_ids"]) == SEQ  # no tokenizer file
     # The tool is a thin CLI: the same figures as the library call (config defaults: seed 1234, 1% held out).
-    direct = data_report(make_config(cache_dir, mix, seed=1234, validation_fraction=0.01), manifest, 1000)
+    direct = data_report(make_config(cache_dir, mix, seed=1234, validation_fraction=0.01).data, SEQ, manifest, 1000)
     assert direct["source_token_share"] == report["source_token_share"]
 
 
 def test_inspect_data_without_manifest(tmp_path, capsys, monkeypatch):
     empty = tmp_path / "empty"
     config_path = _write_run_config(tmp_path, empty, empty / "mix.yml")
-    monkeypatch.setitem(sys.modules, "megatron_lite.data.preprocess", types.ModuleType("megatron_lite.data.preprocess"))
-    assert load_script("tools/inspect_data.py").main(["--config", str(config_path), "--num-samples", "10"]) == 2
-    assert "python tools/preprocess_data.py --config" in capsys.readouterr().err
 
-    def prepare_data(config):  # stands in for the preprocessing engineer's function
-        write_cache(Path(config.data.cache_dir))
+    def prepare_data(data, vocab_size):  # stands in for megatron_lite.data.preprocess.prepare_data
+        write_cache(Path(data.cache_dir))
 
     fake = types.ModuleType("megatron_lite.data.preprocess")
     fake.prepare_data = prepare_data
@@ -267,7 +264,7 @@ def test_inspect_data_without_manifest(tmp_path, capsys, monkeypatch):
 
 
 def test_bench_loader_on_synthetic_shards(tmp_path):
-    from megatron_lite.data.bench import format_report, run_benchmark
+    from megatron_lite.bench.data_bench import format_report, run_benchmark
 
     config = make_config(tmp_path, tmp_path / "unused.yml")
     result = run_benchmark(config, synthetic_tokens=200_000, index_samples=20_000, loader_seconds=0.3,

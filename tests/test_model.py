@@ -134,6 +134,18 @@ def test_generation_stops_rows_at_eos() -> None:
     assert out.shape == (1, 5) and out[0, -1].item() == first
 
 
+def test_generation_restores_the_callers_mode_even_when_it_raises() -> None:
+    model = build_model(tiny_config("rope")).train()
+    prompt = torch.randint(0, 250, (1, 4))
+    generate(model, prompt, max_new_tokens=2)
+    assert model.training
+    with pytest.raises(ValueError, match="temperature=-1"):  # raised inside the decoding loop, in eval mode
+        generate(model, prompt, max_new_tokens=2, temperature=-1.0)
+    assert model.training
+    generate(model.eval(), prompt, max_new_tokens=2)
+    assert not model.training
+
+
 def test_sampling_filters() -> None:
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(200, 1)
     generator = torch.Generator().manual_seed(0)

@@ -17,7 +17,8 @@ from megatron_lite.data.indexed import IndexedDataset
 from megatron_lite.data.manifest import load_manifest
 from megatron_lite.data.preprocess import BadRecordError, prepare_data
 from megatron_lite.data.sample_corpus import stdlib_dir
-from megatron_lite.data.tokenizer import Tokenizer, file_sha256, train_tokenizer
+from megatron_lite.data.tokenizer import Tokenizer, train_tokenizer
+from megatron_lite.files import file_sha256
 from script_loading import load_script
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,7 +71,7 @@ def _mtimes(cache: Path) -> dict[str, int]:
 
 def test_shards_manifest_and_bad_record_report(tmp_path: Path, model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = _config(tmp_path, model_path)
-    manifest = prepare_data(config, progress=True)
+    manifest = prepare_data(config.data, config.model.vocab_size, progress=True)
     cache, jsonl = tmp_path / "cache", tmp_path / "prose.jsonl"
     assert manifest == load_manifest(cache)
     tok = Tokenizer(cache / "tokenizer/tokenizer.model")
@@ -100,7 +101,8 @@ def test_shards_manifest_and_bad_record_report(tmp_path: Path, model_path: Path,
 
 
 def test_documents_per_shard(tmp_path: Path, model_path: Path) -> None:
-    manifest = prepare_data(_config(tmp_path, model_path), progress=False, documents_per_shard=5)
+    config = _config(tmp_path, model_path)
+    manifest = prepare_data(config.data, config.model.vocab_size, progress=False, documents_per_shard=5)
     shards = manifest.sources["prose"].shards
     assert [s.prefix for s in shards] == [f"shards/prose/prose_{k:05d}_text_document" for k in range(3)]
     assert [s.documents for s in shards] == [5, 5, 2]
@@ -109,27 +111,27 @@ def test_documents_per_shard(tmp_path: Path, model_path: Path) -> None:
 
 def test_second_run_does_no_work(tmp_path: Path, model_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = _config(tmp_path, model_path)
-    first = prepare_data(config, progress=False)
+    first = prepare_data(config.data, config.model.vocab_size, progress=False)
     before = _mtimes(tmp_path / "cache")
     reads: list[str] = []
     real = preprocess.read_source
     monkeypatch.setattr(preprocess, "read_source", lambda source, name: reads.append(name) or real(source, name))
-    assert prepare_data(config, progress=False) == first
+    assert prepare_data(config.data, config.model.vocab_size, progress=False) == first
     assert reads == [] and _mtimes(tmp_path / "cache") == before  # nothing read, nothing rewritten
     with open(tmp_path / "prose.jsonl", "a") as handle:  # an edited input: only its source is rebuilt
         handle.write(json.dumps({"text": "A brand new document."}) + "\n")
-    assert prepare_data(config, progress=False).sources["prose"].documents == 13
+    assert prepare_data(config.data, config.model.vocab_size, progress=False).sources["prose"].documents == 13
     assert reads == ["prose"]
 
 
 def test_moving_a_source_to_another_group_needs_no_rebuild(tmp_path: Path, model_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     config = _config(tmp_path, model_path)
-    prepare_data(config, progress=False)
+    prepare_data(config.data, config.model.vocab_size, progress=False)
     mix = tmp_path / "mix.yml"
     mix.write_text(mix.read_text().replace("  text:", "  books:"))
     monkeypatch.setattr(preprocess, "read_source", lambda *args: pytest.fail("source re-read"))
-    assert prepare_data(config, progress=False).sources["prose"].group == "books"
+    assert prepare_data(config.data, config.model.vocab_size, progress=False).sources["prose"].group == "books"
     assert load_manifest(tmp_path / "cache").sources["prose"].group == "books"
 
 
@@ -146,7 +148,7 @@ def test_resume_after_interruption_keeps_finished_shards(tmp_path: Path, model_p
 
     monkeypatch.setattr(preprocess, "read_source", crashing_read)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        prepare_data(config, progress=False, documents_per_shard=3)
+        prepare_data(config.data, config.model.vocab_size, progress=False, documents_per_shard=3)
     partial = load_manifest(tmp_path / "cache").sources["prose"]
     assert not partial.complete and [s.documents for s in partial.shards] == [3, 3]
     finished = _mtimes(tmp_path / "cache/shards/prose")
@@ -155,16 +157,18 @@ def test_resume_after_interruption_keeps_finished_shards(tmp_path: Path, model_p
     encoded: list[int] = []
     monkeypatch.setattr(preprocess, "read_source", real_read)
     monkeypatch.setattr(preprocess, "_encode_chunk", lambda texts: encoded.append(len(texts)) or real_encode(texts))
-    resumed = prepare_data(config, progress=False, documents_per_shard=3)
+    resumed = prepare_data(config.data, config.model.vocab_size, progress=False, documents_per_shard=3)
     assert sum(encoded) == 12 - 6 + 5  # prose after the kept shards, then all of code
     assert {p: t for p, t in _mtimes(tmp_path / "cache/shards/prose").items() if p in finished} == finished
-    fresh = prepare_data(_config(tmp_path, model_path, cache="fresh"), progress=False, documents_per_shard=3)
+    fresh_config = _config(tmp_path, model_path, cache="fresh")
+    fresh = prepare_data(fresh_config.data, fresh_config.model.vocab_size, progress=False, documents_per_shard=3)
     assert resumed.sources == fresh.sources  # same shards, bytes (sha256) and counts as an uninterrupted build
 
 
 def test_output_does_not_depend_on_worker_count(tmp_path: Path, model_path: Path) -> None:
-    one = prepare_data(_config(tmp_path, model_path, cache="one"), workers=1, progress=False, documents_per_shard=4)
-    two = prepare_data(_config(tmp_path, model_path, cache="two"), workers=2, progress=False, documents_per_shard=4)
+    one_config, two_config = _config(tmp_path, model_path, cache="one"), _config(tmp_path, model_path, cache="two")
+    one = prepare_data(one_config.data, one_config.model.vocab_size, workers=1, progress=False, documents_per_shard=4)
+    two = prepare_data(two_config.data, two_config.model.vocab_size, workers=2, progress=False, documents_per_shard=4)
     assert one == two
     for record in one.sources.values():
         for shard in record.shards:
@@ -174,15 +178,16 @@ def test_output_does_not_depend_on_worker_count(tmp_path: Path, model_path: Path
 
 
 def test_strict_aborts_at_first_bad_record(tmp_path: Path, model_path: Path) -> None:
+    config = _config(tmp_path, model_path)
     with pytest.raises(BadRecordError, match=rf"source prose: bad record at {tmp_path / 'prose.jsonl'}:5: invalid_json"):
-        prepare_data(_config(tmp_path, model_path), strict=True, progress=False)
+        prepare_data(config.data, config.model.vocab_size, strict=True, progress=False)
 
 
 def test_source_without_documents_is_an_error(tmp_path: Path, model_path: Path) -> None:
     config = _config(tmp_path, model_path)
     (tmp_path / "prose.jsonl").write_text('{"body": "no text"}\n')
     with pytest.raises(ValueError, match=r"source prose: no documents left after skipping 1 records"):
-        prepare_data(config, progress=False)
+        prepare_data(config.data, config.model.vocab_size, progress=False)
 
 
 def test_preprocess_cli(tmp_path: Path, model_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -194,7 +199,7 @@ def test_preprocess_cli(tmp_path: Path, model_path: Path, capsys: pytest.Capture
     assert cli.main(["--config", str(config_path), "--workers", "1", "--documents-per-shard", "4"]) == 0
     out = capsys.readouterr().out
     assert "prose" in out and "built" in out and "missing_field x1" in out
-    assert cli.main(["--config", str(config_path), "--set", "data.num_workers=0"]) == 1
+    assert cli.main(["--config", str(config_path), "--set", "data.num_workers=0"]) == 2  # every CLI: a user error is 2
 
 
 def test_sample_recipe_trains_tokenizer_and_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

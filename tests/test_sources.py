@@ -10,7 +10,8 @@ import pytest
 
 from megatron_lite.data import cleaning, sample_corpus
 from megatron_lite.data.cleaning import Cleaner, Tally, normalize_newlines, strip_gutenberg
-from megatron_lite.data.mix import SourceConfig, group_weights, load_mix
+from megatron_lite.config import SourceConfig
+from megatron_lite.data.mix import group_weights, load_mix
 from megatron_lite.data.sources import BadRecord, Document, input_fingerprint, read_source
 
 REPO = Path(__file__).resolve().parents[1]

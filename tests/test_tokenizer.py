@@ -145,28 +145,30 @@ def _config(tmp_path: Path, vocab_size: int = 400, **data: object) -> config_lib
 
 def test_ensure_tokenizer_trains_once_and_caches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     config = _config(tmp_path)
-    first = ensure_tokenizer(config, progress=False)
+    first = ensure_tokenizer(config.data, config.model.vocab_size, progress=False)
     assert first.path == tmp_path / "cache/tokenizer/tokenizer.model" and first.vocab_size == 400
 
     def fail(*args: object, **kwargs: object) -> None:
         raise AssertionError("retrained although nothing changed")
 
     monkeypatch.setattr(tokenizer_lib, "train_from_mix", fail)
-    assert ensure_tokenizer(config, progress=False).sha256 == first.sha256
+    assert ensure_tokenizer(config.data, config.model.vocab_size, progress=False).sha256 == first.sha256
     monkeypatch.undo()
     bigger = config_lib.from_dict({**config_lib.to_dict(config), "model": {**config_lib.to_dict(config)["model"],
                                                                             "vocab_size": 420}})
-    assert ensure_tokenizer(bigger, progress=False).vocab_size == 420  # spec changed: retrained
+    assert ensure_tokenizer(bigger.data, bigger.model.vocab_size, progress=False).vocab_size == 420  # spec changed: retrained
 
 
 def test_ensure_tokenizer_copies_a_given_model(tmp_path: Path, tok: Tokenizer) -> None:
     config = _config(tmp_path, tokenizer={"model": str(tok.path)})
-    copied = ensure_tokenizer(config, progress=False)
+    copied = ensure_tokenizer(config.data, config.model.vocab_size, progress=False)
     assert copied.path == tmp_path / "cache/tokenizer/tokenizer.model" and copied.sha256 == tok.sha256
+    small = _config(tmp_path, vocab_size=300, tokenizer={"model": str(tok.path)})
     with pytest.raises(ValueError, match="model.vocab_size=300: tokenizer .* has 400 pieces"):
-        ensure_tokenizer(_config(tmp_path, vocab_size=300, tokenizer={"model": str(tok.path)}), progress=False)
+        ensure_tokenizer(small.data, small.model.vocab_size, progress=False)
+    missing = _config(tmp_path, tokenizer={"model": "/nonexistent.model"})
     with pytest.raises(ValueError, match="data.tokenizer.model='/nonexistent.model': file does not exist"):
-        ensure_tokenizer(_config(tmp_path, tokenizer={"model": "/nonexistent.model"}), progress=False)
+        ensure_tokenizer(missing.data, missing.model.vocab_size, progress=False)
 
 
 def test_train_tokenizer_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -177,5 +179,5 @@ def test_train_tokenizer_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert cli.main(["--config", str(config_path), "--vocab-size", "380", "--out", str(tmp_path / "out")]) == 0
     assert Tokenizer(tmp_path / "out/tokenizer.model").vocab_size == 380
     assert "380 pieces" in capsys.readouterr().out
-    assert cli.main(["--config", str(config_path), "--vocab-size", "10"]) == 1
+    assert cli.main(["--config", str(config_path), "--vocab-size", "10"]) == 2  # every CLI: a user error is 2
     assert "vocab_size=10: must be >=" in capsys.readouterr().err

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_lite import checkpoint as layout
+from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.data.loader import data_report
 from megatron_lite.data.manifest import load_manifest
@@ -21,14 +21,14 @@ def test_main_job_builds_data_trains_and_saves(tmp_path: Path) -> None:
     losses = train_losses(run_dir)
     assert losses[30] < 0.8 * losses[1]
     assert any("val_loss" in row for row in metrics(run_dir))
-    assert layout.latest_complete(run_dir / layout.CHECKPOINTS_DIR).name == "step_00000030"
+    assert checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR).name == "step_00000030"
     assert "done: completed at step 30/30" in result.stdout and str(run_dir / "metrics.jsonl") in result.stdout
 
     # The sample corpus the main job built mixes exactly 75/25 by tokens (what inspect_data.py prints).
     config = config_lib.load(REPO / "configs/tiny/coca_slack.yml", [f"data.cache_dir={tmp_path / 'cache'}"])
     manifest = load_manifest(config.data.cache_dir)
     for num_samples in (1000, 10_000):
-        share = data_report(config, manifest, num_samples)["group_token_share"]
+        share = data_report(config.data, config.model.seq_length, manifest, num_samples)["group_token_share"]
         assert abs(share["text"] - 0.75) <= 0.005 and abs(share["code"] - 0.25) <= 0.005, (num_samples, share)
 
 

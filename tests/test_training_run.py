@@ -1,9 +1,11 @@
 """The real training loop end to end: train.py under plain python and under the deepspeed launcher
-(2 CPU ranks), exact resume, crashes mid-save, SIGTERM, non-finite losses, failed saves."""
+(2 CPU ranks), exact resume, crashes mid-save, SIGTERM, non-finite losses, failed saves, what the
+console reports (one loss definition, notices once on rank 0)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -12,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_lite import checkpoint as layout
+from megatron_lite import checkpoint_dirs
+from megatron_lite.weights import load_model, load_step_state_dict
 from training_helpers import metrics, run_train, tiny_train_config, train_command, train_losses, write_config
 
 
 def weights(step_dir: Path) -> dict[str, torch.Tensor]:
-    return layout.load_step_state_dict(step_dir)
+    return load_step_state_dict(step_dir)
 
 
 def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -47,12 +50,14 @@ def test_run_trains_and_writes_everything(baseline: Path) -> None:
     assert [r["step"] for r in rows if "val_loss" in r] == [4, 8]
     assert (baseline / "loss_curve.png").stat().st_size > 1000
     assert (baseline / "wandb").is_dir()  # offline wandb files, no prompt, no network
-    checkpoints = baseline / layout.CHECKPOINTS_DIR
-    assert (checkpoints / layout.LATEST_FILE).read_text().strip() == "step_00000008"
-    assert [p.name for p in layout.complete_checkpoints(checkpoints)] == ["step_00000004", "step_00000008"]
-    marker = layout.read_complete_marker(checkpoints / "step_00000008")
+    wandb_id = (baseline / "wandb_run_id").read_text().strip()  # a resume continues this wandb run
+    assert [p.name.endswith(f"-{wandb_id}") for p in (baseline / "wandb").glob("offline-run-*")] == [True]
+    checkpoints = baseline / checkpoint_dirs.CHECKPOINTS_DIR
+    assert (checkpoints / checkpoint_dirs.LATEST_FILE).read_text().strip() == "step_00000008"
+    assert [p.name for p in checkpoint_dirs.complete_checkpoints(checkpoints)] == ["step_00000004", "step_00000008"]
+    marker = checkpoint_dirs.read_complete_marker(checkpoints / "step_00000008")
     assert marker["step"] == 8 and marker["consumed_samples"] == 64
-    loaded = layout.load_model(baseline)  # what evaluation and conversion read
+    loaded = load_model(baseline)  # what evaluation and conversion read
     assert loaded.tokenizer_path is not None and loaded.config.model.hidden_size == 64
 
 
@@ -64,7 +69,29 @@ def test_exact_resume_single_rank(training_corpus, baseline: Path, tmp_path: Pat
     second = run_train(config, tmp_path / "run")
     assert "resumed from" in second.stdout and "step_00000004" in second.stdout
     assert train_losses(tmp_path / "run") == train_losses(baseline)  # the same trace, exactly
+    losses = train_losses(baseline)
+    assert f"loss {losses[1]:.4f} (step 1) -> {losses[8]:.4f} (step 8)" in second.stdout  # the whole run's, not X -> X
     assert_bitwise_equal(weights(tmp_path / "run/checkpoints/step_00000008"), weights(baseline / "checkpoints/step_00000008"))
+
+
+def test_bar_log_lines_and_summary_report_one_loss(training_corpus, baseline: Path, tmp_path: Path) -> None:
+    """log_interval=3: the bar, the log lines and the summary all show the mean loss of the last 3 steps
+    (the baseline, identical but for its log_interval=1, gives each step's loss)."""
+    mix, cache = training_corpus
+    config = write_config(tmp_path / "config.yml", tiny_train_config(mix, cache, log_interval=3))
+    result = run_train(config, tmp_path / "run", progress_bar=True)
+    per_step, logged = train_losses(baseline), train_losses(tmp_path / "run")
+    assert sorted(logged) == [1, 3, 6, 8]  # every 3 steps, plus the first and the last
+    for step, loss in logged.items():
+        window = [per_step[s] for s in range(max(1, step - 2), step + 1)]
+        assert loss == pytest.approx(sum(window) / len(window), rel=1e-12), step
+    assert f"step 8/8 | loss {logged[8]:.4f}" in result.stdout
+    assert re.findall(r"loss=(\d+\.\d+)", result.stderr)[-1] == f"{logged[8]:.4f}"  # the bar's last state
+    summary = f"loss {logged[1]:.4f} (step 1) -> {logged[8]:.4f} (step 8)"
+    assert summary in result.stdout
+    again = run_train(config, tmp_path / "run")  # a finished run says so, and trains nothing
+    assert "already complete at step 8/8" in again.stdout and summary in again.stdout and "n/a" not in again.stdout
+    assert train_losses(tmp_path / "run") == logged
 
 
 def test_two_ranks_zero2_trains_and_resumes_exactly(training_corpus, tmp_path: Path) -> None:
@@ -76,8 +103,15 @@ def test_two_ranks_zero2_trains_and_resumes_exactly(training_corpus, tmp_path: P
     assert losses[8] < 0.85 * losses[1]
     stepped = write_config(tmp_path / "stepped.yml", tiny_train_config(mix, cache, exit_interval=4, **common))
     run_train(stepped, tmp_path / "stepped", ranks=2)
-    second = run_train(stepped, tmp_path / "stepped", ranks=2)
+    # warmup_start_lr only sets step 0's lr (warm-up is 1 step), so the trace stays exact; the change is a notice.
+    second = run_train(stepped, tmp_path / "stepped", "--set", "train.warmup_start_lr=2e-7", ranks=2)
     assert "resumed from" in second.stdout
+    output = second.stdout + second.stderr  # notices: once (rank 0), a console line; no messages that do not apply
+    assert output.count("train.warmup_start_lr changed from 1e-07 to 2e-07") == 1
+    assert "warning: resuming with train.warmup_start_lr changed" in second.stdout
+    for unwanted in ("UserWarning", "untested optimizer", "script_method` is deprecated",
+                     "all_gather_into_tensor` is deprecated", "TFLOP/s", "Traceback"):
+        assert unwanted not in output, unwanted
     assert train_losses(tmp_path / "stepped") == losses
     step_dir = tmp_path / "stepped/checkpoints/step_00000008"
     assert len(list(step_dir.glob("zero_pp_rank_*_optim_states.pt"))) == 2  # ZeRO-2 partitions, one per rank
@@ -90,9 +124,9 @@ def test_sigkill_while_saving_resumes_from_previous_checkpoint(training_corpus, 
                           tiny_train_config(mix, cache, fault_injection={"kill_during_save_step": 8}))
     crashed = run_train(config, tmp_path / "run", check=False)
     assert crashed.returncode == -signal.SIGKILL
-    checkpoints = tmp_path / "run" / layout.CHECKPOINTS_DIR
-    assert (checkpoints / "step_00000008").is_dir() and not layout.is_complete(checkpoints / "step_00000008")
-    assert layout.latest_complete(checkpoints) == checkpoints / "step_00000004"
+    checkpoints = tmp_path / "run" / checkpoint_dirs.CHECKPOINTS_DIR
+    assert (checkpoints / "step_00000008").is_dir() and not checkpoint_dirs.is_complete(checkpoints / "step_00000008")
+    assert checkpoint_dirs.latest_complete(checkpoints) == checkpoints / "step_00000004"
     resumed = run_train(write_config(tmp_path / "config.yml", tiny_train_config(mix, cache)), tmp_path / "run")
     assert "step_00000004" in resumed.stdout and "resumed from" in resumed.stdout
     assert_bitwise_equal(weights(checkpoints / "step_00000008"), weights(baseline / "checkpoints/step_00000008"))
@@ -116,10 +150,10 @@ def test_sigterm_writes_a_final_checkpoint(training_corpus, tmp_path: Path) -> N
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 0, output[-3000:]
     assert "stopped by SIGTERM" in output
-    final = layout.latest_complete(run_dir / layout.CHECKPOINTS_DIR)
+    final = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
     assert final is not None
-    step = layout.read_complete_marker(final)["step"]
-    assert 3 <= step < 5000 and final.name == layout.step_tag(step)
+    step = checkpoint_dirs.read_complete_marker(final)["step"]
+    assert 3 <= step < 5000 and final.name == checkpoint_dirs.step_tag(step)
 
 
 def test_sigterm_to_the_launchers_process_group_stops_both_ranks_at_one_step(training_corpus, tmp_path: Path) -> None:
@@ -135,7 +169,7 @@ def test_sigterm_to_the_launchers_process_group_stops_both_ranks_at_one_step(tra
     os.killpg(process.pid, signal.SIGTERM)  # what Ctrl-C / scancel do: every process of the job
     output, _ = process.communicate(timeout=120)
     assert "stopped by SIGTERM" in output, output[-3000:]
-    final = layout.latest_complete(run_dir / layout.CHECKPOINTS_DIR)
+    final = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
     assert final is not None and len(list(final.glob("zero_pp_rank_*_optim_states.pt"))) == 2
     assert len(list(final.glob("rng_state_rank*.pt"))) == 2
 
@@ -148,7 +182,7 @@ def test_nonfinite_loss_is_skipped_and_counted(training_corpus, tmp_path: Path) 
     rows = metrics(tmp_path / "run")
     assert any(r["step"] == 3 and r.get("nonfinite_loss") for r in rows)
     assert rows[-1]["step"] == 8 and "skipped updates 1" in result.stdout
-    assert layout.read_complete_marker(tmp_path / "run/checkpoints/step_00000008")["skipped_steps"] == 1
+    assert checkpoint_dirs.read_complete_marker(tmp_path / "run/checkpoints/step_00000008")["skipped_steps"] == 1
     assert 3 not in train_losses(tmp_path / "run")
 
 
@@ -166,10 +200,10 @@ def test_failed_save_is_reported_and_previous_checkpoint_kept(training_corpus, t
     mix, cache = training_corpus
     config = write_config(tmp_path / "config.yml", tiny_train_config(mix, cache, fault_injection={"fail_save_step": 8}))
     result = run_train(config, tmp_path / "run")
-    assert "checkpoint at step 8 failed" in result.stderr and "No space left on device" in result.stderr
-    checkpoints = tmp_path / "run" / layout.CHECKPOINTS_DIR
+    assert "warning: checkpoint at step 8 failed" in result.stdout and "No space left on device" in result.stdout
+    checkpoints = tmp_path / "run" / checkpoint_dirs.CHECKPOINTS_DIR
     assert not (checkpoints / "step_00000008").exists()
-    assert layout.latest_complete(checkpoints) == checkpoints / "step_00000004"
+    assert checkpoint_dirs.latest_complete(checkpoints) == checkpoints / "step_00000004"
 
 
 def test_resume_with_another_model_shape_is_a_clear_error(training_corpus, baseline: Path, tmp_path: Path) -> None:
@@ -207,5 +241,6 @@ def test_init_from_starts_with_the_given_weights(training_corpus, baseline: Path
         mix, cache, train_iters=2, eval_interval=0, save_interval=0, init_from=str(baseline)))
     result = run_train(config, tmp_path / "run")
     assert "initialised weights from" in result.stdout
+    assert "optimizer groups: decay " in result.stdout and "; no_decay " in result.stdout  # start-up line
     # Step 1 sees the same first batch as the baseline's step 1, now with trained weights.
     assert train_losses(tmp_path / "run")[1] < train_losses(baseline)[8] + 0.3 < train_losses(baseline)[1]

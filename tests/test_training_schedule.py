@@ -7,9 +7,9 @@ import torch
 
 from megatron_lite import config as config_lib
 from megatron_lite.model import GPT
-from megatron_lite.training.deepspeed_config import batch_layout, deepspeed_config
+from megatron_lite.training.deepspeed_config import deepspeed_config, resolve_batch_sizes
 from megatron_lite.training.optim import SkippableAdamW, build_optimizer, weight_decay_groups
-from megatron_lite.training.options import TrainConfig
+from megatron_lite.config import TrainConfig
 from megatron_lite.training.schedule import learning_rate, warmup_steps
 
 from conftest import tiny_config
@@ -55,6 +55,16 @@ def test_weight_decay_only_on_matrices() -> None:
     assert counted == sum(p.numel() for p in model.parameters())
 
 
+def test_optimizer_reports_its_group_sizes() -> None:
+    model = GPT(tiny_config("coca").model)
+    decay, no_decay = weight_decay_groups(model, 0.1)
+    summary = build_optimizer(model, TrainConfig(weight_decay=0.1)).groups_summary
+    for group in (decay, no_decay):
+        size = f"{group['name']} {len(group['params'])} tensors ({sum(p.numel() for p in group['params']):,} parameters"
+        assert size in summary, summary
+    assert "weight decay 0.1)" in summary and "weight decay 0)" in summary
+
+
 def test_skipped_step_leaves_weights_and_moments_untouched() -> None:
     model = torch.nn.Linear(4, 4)
     optimizer = build_optimizer(model, TrainConfig(lr=0.1))
@@ -80,17 +90,17 @@ def _config(**train: object) -> config_lib.Config:
 
 def test_batch_triple_consistent_and_derived() -> None:
     config = _config(train_batch_size=256, train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=2)
-    assert batch_layout(config, 8).global_batch_size == 256
-    generated = deepspeed_config(config, 8)
+    assert resolve_batch_sizes(config, 8).global_batch_size == 256
+    generated = deepspeed_config(config, resolve_batch_sizes(config, 8))
     assert (generated["train_batch_size"], generated["train_micro_batch_size_per_gpu"],
             generated["gradient_accumulation_steps"]) == (256, 16, 2)
-    assert batch_layout(_config(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=3), 2).global_batch_size == 24
+    assert resolve_batch_sizes(_config(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=3), 2).global_batch_size == 24
 
 
 def test_inconsistent_batch_triple_names_all_three() -> None:
     config = _config(train_batch_size=256, train_micro_batch_size_per_gpu=16, gradient_accumulation_steps=2)
     with pytest.raises(ValueError) as error:
-        batch_layout(config, 4)
+        resolve_batch_sizes(config, 4)
     message = str(error.value)
     for part in ("train.train_batch_size=256", "train_micro_batch_size_per_gpu=16", "gradient_accumulation_steps=2",
                  "4 data-parallel ranks"):
@@ -101,11 +111,12 @@ def test_deepspeed_config_precision_zero_and_passthrough() -> None:
     config = config_lib.from_dict({"precision": "bf16", "train": {"zero_stage": 3, "gradient_clipping": 0.5,
                                                                   "deepspeed": {"zero_optimization": {"overlap_comm": True},
                                                                                 "wall_clock_breakdown": True}}})
-    generated = deepspeed_config(config, 1)
+    generated = deepspeed_config(config, resolve_batch_sizes(config, 1))
     assert generated["bf16"] == {"enabled": True} and "fp16" not in generated
     assert generated["zero_optimization"] == {"stage": 3, "overlap_comm": True}
     assert generated["gradient_clipping"] == 0.5 and generated["wall_clock_breakdown"] is True
-    fp16 = deepspeed_config(config_lib.from_dict({"precision": "fp16"}), 1)["fp16"]
+    fp16_config = config_lib.from_dict({"precision": "fp16"})
+    fp16 = deepspeed_config(fp16_config, resolve_batch_sizes(fp16_config, 1))["fp16"]
     assert fp16["enabled"] and fp16["loss_scale"] == 0  # 0 = dynamic loss scaling
 
 

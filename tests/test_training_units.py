@@ -1,4 +1,5 @@
-"""In-process pieces of the training loop: resume compatibility warnings, wandb fallback, FLOPs."""
+"""In-process pieces of the training loop: resume compatibility notices, wandb fallback and run id, the
+loss every report shows, FLOPs."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from pathlib import Path
 import pytest
 
 from megatron_lite import config as config_lib
+from megatron_lite.console import Notice
 from megatron_lite.model.params import analytic_parameter_count
 from megatron_lite.training.checkpointing import check_resume_compatible
-from megatron_lite.training.metrics import (MetricsLogger, drop_rows_after, model_flops_per_token,
-                                            plot_loss_curve, read_metrics)
+from megatron_lite.training.metrics import (WANDB_ID_FILE, LossWindow, MetricsLogger, drop_rows_after, loss_summary,
+                                            model_flops_per_token, plot_loss_curve, read_metrics, wandb_run_id)
 
 
 def _saved_step_dir(tmp_path: Path, overrides: list[str]) -> Path:
@@ -23,7 +25,7 @@ def _saved_step_dir(tmp_path: Path, overrides: list[str]) -> Path:
 def test_schedule_changes_on_resume_warn(tmp_path: Path) -> None:
     step_dir = _saved_step_dir(tmp_path, [])
     changed = config_lib.load("configs/tiny/rope.yml", ["train.lr=5.0e-4", "train.train_iters=900"])
-    with pytest.warns(UserWarning) as caught:
+    with pytest.warns(Notice) as caught:  # the project's notice (printed once, on rank 0, by the CLIs)
         check_resume_compatible(step_dir, changed)
     messages = " ".join(str(w.message) for w in caught)
     assert "train.lr changed from 0.002 to 0.0005" in messages and "train.train_iters changed from 300 to 900" in messages
@@ -62,6 +64,35 @@ def test_wandb_online_without_key_falls_back_to_offline(tmp_path: Path, monkeypa
     assert (tmp_path / "wandb").is_dir()
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
     assert plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "curve.png", "unit") == tmp_path / "curve.png"
+
+
+def test_a_resume_continues_the_wandb_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    config = config_lib.load("configs/tiny/rope.yml", ["train.wandb.mode=offline", "train.wandb.project=unit"])
+    for start_step in (0, 4):  # a fresh start, then a resume from step 4
+        logger = MetricsLogger(config, tmp_path, enabled=True, start_step=start_step)
+        logger.log({"step": start_step + 1, "loss": 2.0})
+        logger.close()
+    run_id = (tmp_path / WANDB_ID_FILE).read_text().strip()
+    runs = sorted(p.name for p in (tmp_path / "wandb").glob("offline-run-*"))
+    # wandb's dir names carry the run id (plus "-1" when both starts fall in the same second)
+    assert len(runs) == 2 and all(f"-{run_id}" in name for name in runs), runs
+    assert wandb_run_id(tmp_path, resuming=True) == run_id
+    assert wandb_run_id(tmp_path, resuming=False) != run_id  # a fresh start (--resume none) is a new wandb run
+
+
+def test_every_report_shows_the_mean_loss_of_the_last_log_interval_steps() -> None:
+    window = LossWindow(3)
+    assert window.mean(0) is None
+    for step, loss in ((1, 6.0), (2, 5.0), (3, 4.0), (4, 3.0)):
+        window.add(step, loss)
+    assert window.mean(4) == pytest.approx(4.0)  # steps 2-4
+    assert window.mean(6) == pytest.approx(3.0)  # steps 5 and 6 skipped (non-finite): only step 4 is in the window
+    assert window.mean(7) is None
+    rows = [{"step": 1, "loss": 6.0}, {"step": 4, "val_loss": 3.5}, {"step": 4, "loss": 4.0}, {"step": 5, "loss": None}]
+    assert loss_summary(rows) == "loss 6.0000 (step 1) -> 4.0000 (step 4); validation loss 3.5000 (step 4)"
+    assert loss_summary(rows[:2]) == "loss 6.0000 (step 1); validation loss 3.5000 (step 4)"
+    assert loss_summary([]) == "loss n/a; validation loss n/a"
 
 
 def test_flops_per_token_follows_the_palm_convention() -> None:

@@ -86,8 +86,10 @@ def free_port() -> int:
 
 
 def run_train(config: Path, run_dir: Path, *extra: str, ranks: int = 1, timeout: float = 600,
-              check: bool = True) -> subprocess.CompletedProcess[str]:
+              check: bool = True, progress_bar: bool = False) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    if progress_bar:  # tqdm draws on stderr
+        del env["TQDM_DISABLE"]
     result = subprocess.run(train_command(config, run_dir, *extra, ranks=ranks), cwd=REPO, env=env, text=True,
                             capture_output=True, timeout=timeout)
     if check and result.returncode != 0:

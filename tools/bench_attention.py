@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from megatron_lite.bench.attention_bench import BenchSettings, format_report, run_benchmark
+from megatron_lite.cli import cli_main, run_cli
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -35,6 +36,7 @@ def _name_list(text: str) -> tuple[str, ...]:
     return values
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="write the records and run metadata here")
@@ -55,27 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1234)
     args = parser.parse_args(argv)
 
-    settings = BenchSettings(
-        seq_lens=args.seq_lens,
-        batch_size=args.batch_size,
-        backends=args.backends,
-        device=args.device,
-        dtype=args.dtype,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        hidden_size=args.hidden_size,
-        num_heads=args.num_heads,
-        mem_budget_gb=args.mem_budget_gb,
-        chunk_size=args.chunk_size,
-        seed=args.seed,
-    )
+    settings = BenchSettings(**{name: getattr(args, name) for name in (
+        "seq_lens", "batch_size", "backends", "device", "dtype", "repeats", "warmup", "hidden_size", "num_heads",
+        "mem_budget_gb", "chunk_size", "seed")})
     if args.json is not None:  # fail now, not after a long run
         args.json.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        result = run_benchmark(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    result = run_benchmark(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_report(result), end="")
     if args.json is not None:
         args.json.write_text(json.dumps(result.to_json(), indent=2) + "\n")
@@ -84,4 +71,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

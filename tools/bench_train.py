@@ -18,10 +18,12 @@ from pathlib import Path
 import torch
 
 from megatron_lite.bench.train_bench import TrainBenchSettings, format_report, run_cpu_comparison, run_gpu_mfu
+from megatron_lite.cli import cli_main, run_cli
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json")
     parser.add_argument("--config", default="configs/tiny/rope.yml", help="model dimensions for the CPU comparison")
     parser.add_argument("--batch-size", type=int, default=16)
@@ -34,17 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     for name in ("batch_size", "rounds", "steps_per_round", "gpu_batch_size"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+            raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     settings = TrainBenchSettings(config_path=args.config, batch_size=args.batch_size, rounds=args.rounds,
                                   steps_per_round=args.steps_per_round, threads=args.threads,
                                   gpu_config_path=args.gpu_config, gpu_batch_size=args.gpu_batch_size)
-    try:
-        result = run_cpu_comparison(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
-        if torch.cuda.is_available() and not args.no_gpu:
-            result.gpu = run_gpu_mfu(settings)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    result = run_cpu_comparison(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    if torch.cuda.is_available() and not args.no_gpu:
+        result.gpu = run_gpu_mfu(settings)
     print(format_report(result), end="")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -54,4 +52,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

@@ -6,20 +6,22 @@
     python tools/convert_checkpoint.py pythia-160m pythia_ml --to megatron_lite [--coca slack]
 
 INPUT is a run dir (latest complete checkpoint), a DeepSpeed step dir (any ZeRO stage, any world
-size), a consolidated dir (config.yml + model.safetensors) or an HF model dir. Outputs are
-safetensors only. A non-empty OUTPUT is refused unless --force. The logic lives in
-megatron_lite/convert/; docs/conversion.md explains every direction.
+size), a consolidated dir (config.yml + model.safetensors) or an HF model dir; the line printed
+names the training step exported from a run or step dir. Outputs are safetensors only. A
+non-empty OUTPUT is refused unless --force. The logic lives in megatron_lite/convert/;
+docs/conversion.md explains every direction.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
+from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.convert import TARGETS, convert_checkpoint
 from megatron_lite.model.gpt import DTYPES
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("input", help="run dir, step dir, consolidated dir or Hugging Face model dir")
@@ -31,14 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coca", choices=("slack", "strict"), default=None,
                         help="turn a RoPE model into CoCA (T initialised from the K projection; logits change until fine-tuned)")
     args = parser.parse_args(argv)
-    try:
-        result = convert_checkpoint(args.input, args.output, args.to, dtype=args.dtype, force=args.force, coca=args.coca)
-    except ValueError as error:
-        print(f"convert_checkpoint: error: {error}", file=sys.stderr)
-        return 2
-    position = result.config.model.position
-    scheme = position.scheme + (f" ({position.constraint})" if position.scheme == "coca" else "")
-    print(f"{args.input} ({result.source_kind}) -> {result.output} (--to {args.to}, {args.dtype}, scheme {scheme})")
+    result = convert_checkpoint(args.input, args.output, args.to, dtype=args.dtype, force=args.force, coca=args.coca)
+    scheme = result.config.model.position.label
+    source = f"{result.source_kind} dir" + (f", training step {result.step}" if result.step is not None else "")
+    print(f"{args.input} ({source}) -> {result.output} (--to {args.to}, {args.dtype}, scheme {scheme})")
     if args.to == "hf":
         remote = ", trust_remote_code=True" if result.needs_remote_code else ""
         print(f"load with: AutoModelForCausalLM.from_pretrained({str(result.output)!r}{remote})")
@@ -46,4 +44,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

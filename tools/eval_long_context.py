@@ -13,9 +13,9 @@ interrupted run picks up where it stopped.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from megatron_lite.cli import cli_main, print_error, run_cli
 from megatron_lite.eval.long_context import DEFAULT_WINDOWS, EvalOutOfMemory, LongContextSettings, run_long_context_eval
 from megatron_lite.eval.scaling import parse_int_list, parse_scaling_list
 
@@ -70,17 +70,18 @@ def settings_from_args(args: argparse.Namespace) -> LongContextSettings:
     )
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         results = run_long_context_eval(settings_from_args(args))
-    except (ValueError, EvalOutOfMemory) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2 if isinstance(error, ValueError) else 1
+    except EvalOutOfMemory as error:
+        print_error(error)
+        return 1
     if not args.quiet:
         print((args.out / "tables.md").read_text())
     return 0 if results["perplexity"] or results["passkey"] else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

@@ -8,14 +8,13 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
-
-from megatron_lite.checkpoint import load_model
+from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.data.tokenizer import Tokenizer
 from megatron_lite.eval.generation import generate_text
 from megatron_lite.eval.scaling import parse_scaling
 from megatron_lite.model.gpt import DTYPES
+from megatron_lite.weights import load_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -36,21 +35,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        scaling = parse_scaling(args.scaling)
-        loaded = load_model(args.checkpoint, args.device, DTYPES[args.dtype])
-        if scaling.type != "none":
-            loaded.model.set_rope_scaling(scaling.config())
-        tokenizer_path = args.tokenizer or loaded.tokenizer_path
-        if tokenizer_path is None:
-            raise ValueError(f"{args.checkpoint}: no tokenizer.model in the checkpoint; pass --tokenizer")
-        texts = generate_text(loaded.model, Tokenizer(tokenizer_path), args.prompt, args.max_new_tokens,
-                              args.temperature, args.top_k, args.top_p, args.num_samples, args.seed)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    scaling = parse_scaling(args.scaling)
+    loaded = load_model(args.checkpoint, args.device, DTYPES[args.dtype])
+    if scaling.type != "none":
+        loaded.model.set_rope_scaling(scaling.config())
+    tokenizer_path = args.tokenizer or loaded.tokenizer_path
+    if tokenizer_path is None:
+        raise ValueError(f"{args.checkpoint}: no tokenizer.model in the checkpoint; pass --tokenizer")
+    texts = generate_text(loaded.model, Tokenizer(tokenizer_path), args.prompt, args.max_new_tokens,
+                          args.temperature, args.top_k, args.top_p, args.num_samples, args.seed)
     for index, text in enumerate(texts):
         if len(texts) > 1:
             print(f"--- sample {index + 1}")
@@ -59,4 +55,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

@@ -4,7 +4,7 @@
     python tools/inspect_data.py --config configs/tiny/coca_slack.yml --num-samples 10000 [--json]
 
 Reads the prepared data.cache_dir. Without a manifest it runs preprocessing first
-(megatron_lite.data.preprocess.prepare_data) when that is installed, else says which command to run.
+(megatron_lite.data.preprocess.prepare_data).
 The first N samples' order is built (and cached under <cache_dir>/index/) like the training one.
 """
 
@@ -15,21 +15,18 @@ import json
 import sys
 
 from megatron_lite import config as config_lib
+from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.config import Config
-from megatron_lite.data.loader import data_report, decode_tokens, find_prepare_data
+from megatron_lite.data.loader import data_report, decode_tokens
 from megatron_lite.data.manifest import Manifest, load_manifest, manifest_path
+from megatron_lite.data.preprocess import prepare_data
 
 
-def ensure_manifest(config: Config, config_path: str) -> Manifest | None:
-    """The manifest of data.cache_dir, preparing the data first if possible; None (and a message) if not."""
+def ensure_manifest(config: Config) -> Manifest:
+    """The manifest of data.cache_dir, preparing the data first when there is none."""
     if not manifest_path(config.data.cache_dir).is_file():
-        prepare = find_prepare_data()
-        if prepare is None:
-            print(f"error: no manifest in data.cache_dir={config.data.cache_dir!r}; prepare the data first: "
-                  f"python tools/preprocess_data.py --config {config_path}", file=sys.stderr)
-            return None
         print(f"no manifest in {config.data.cache_dir}: preparing the data first", file=sys.stderr)
-        prepare(config)
+        prepare_data(config.data, config.model.vocab_size)
     return load_manifest(config.data.cache_dir)
 
 
@@ -50,6 +47,7 @@ def format_text(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="run config (YAML)")
@@ -57,21 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-samples", type=int, default=10_000, help="training samples to measure (default 10000)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
-    try:
-        if args.num_samples <= 0:
-            raise ValueError(f"--num-samples={args.num_samples}: must be positive")
-        config = config_lib.load(args.config, args.set)
-        manifest = ensure_manifest(config, args.config)
-        if manifest is None:
-            return 2
-        report = data_report(config, manifest, args.num_samples)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    if args.num_samples <= 0:
+        raise ValueError(f"--num-samples={args.num_samples}: must be positive")
+    config = config_lib.load(args.config, args.set)
+    manifest = ensure_manifest(config)
+    report = data_report(config.data, config.model.seq_length, manifest, args.num_samples)
     report["sample"]["text"] = decode_tokens(report["sample"]["input_ids"], config.data.cache_dir, manifest)
     print(json.dumps(report, indent=2) if args.json else format_text(report), end="\n" if args.json else "")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

@@ -15,9 +15,11 @@ import sys
 import time
 
 from megatron_lite import config as config_lib
-from megatron_lite.data.preprocess import DEFAULT_DOCUMENTS_PER_SHARD, BadRecordError, prepare_data
+from megatron_lite.cli import cli_main, run_cli
+from megatron_lite.data.preprocess import DEFAULT_DOCUMENTS_PER_SHARD, prepare_data
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="run config (YAML); its data.* section is used")
@@ -30,20 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quiet", action="store_true", help="no progress bars and no report")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    try:
-        config = config_lib.load(args.config, args.set)
-        prepare_data(config, workers=args.workers, strict=args.strict, progress=not args.quiet,
-                     documents_per_shard=args.documents_per_shard, force=args.force)
-    except BadRecordError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    config = config_lib.load(args.config, args.set)
+    prepare_data(config.data, config.model.vocab_size, workers=args.workers, strict=args.strict,
+                 progress=not args.quiet, documents_per_shard=args.documents_per_shard, force=args.force)
     if not args.quiet:
         print(f"done in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

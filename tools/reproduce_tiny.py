@@ -17,6 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from megatron_lite.cli import cli_main, print_error, run_cli
 from megatron_lite.eval.scaling import parse_int_list
 from megatron_lite.repro.settings import (DEFAULT_NTK_FACTORS, DEFAULT_PASSKEY_LENGTHS, DEFAULT_WINDOWS, SCHEMES,
                                           ReproSettings)
@@ -92,6 +93,7 @@ def settings_from_args(args: argparse.Namespace) -> ReproSettings:
     return settings
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     from megatron_lite.eval.long_context import EvalOutOfMemory
     from megatron_lite.repro import TrainingFailed, run_reproduction
@@ -99,11 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         run_reproduction(settings_from_args(args))
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
     except (TrainingFailed, EvalOutOfMemory) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print_error(error)
         return 1
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume (finished models and results are kept)",
@@ -115,4 +114,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

@@ -13,15 +13,16 @@ data.tokenizer.model. The logic lives in megatron_lite/data/tokenizer.py.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 from megatron_lite import config as config_lib
+from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.data.mix import load_mix
 from megatron_lite.data.tokenizer import ensure_tokenizer, train_from_mix
 
 
+@cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="run config (YAML); data.mix, data.tokenizer.*, model.vocab_size")
@@ -30,25 +31,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output directory (default <data.cache_dir>/tokenizer)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    try:
-        overrides = list(args.set) + ([f"model.vocab_size={args.vocab_size}"] if args.vocab_size else [])
-        config = config_lib.load(args.config, overrides)
-        if args.out is None:
-            if config.data.tokenizer.model:
-                raise ValueError(f"data.tokenizer.model={config.data.tokenizer.model!r} is set: nothing to train "
-                                 "into the cache (give --out DIR to train a separate model)")
-            tokenizer = ensure_tokenizer(config, retrain=True)
-        else:
-            data = config.data
-            tokenizer = train_from_mix(load_mix(data.mix), args.out / "tokenizer.model", config.model.vocab_size,
-                                       data.tokenizer.sample_chars, num_threads=data.num_workers)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
+    overrides = list(args.set) + ([f"model.vocab_size={args.vocab_size}"] if args.vocab_size else [])
+    config = config_lib.load(args.config, overrides)
+    if args.out is None:
+        if config.data.tokenizer.model:
+            raise ValueError(f"data.tokenizer.model={config.data.tokenizer.model!r} is set: nothing to train "
+                             "into the cache (give --out DIR to train a separate model)")
+        tokenizer = ensure_tokenizer(config.data, config.model.vocab_size, retrain=True)
+    else:
+        data = config.data
+        tokenizer = train_from_mix(load_mix(data.mix), args.out / "tokenizer.model", config.model.vocab_size,
+                                   data.tokenizer.sample_chars, num_threads=data.num_workers)
     print(f"{tokenizer.path}: {tokenizer.vocab_size} pieces, eod={tokenizer.eod_id}, pad={tokenizer.pad_id}, "
           f"sha256={tokenizer.sha256} ({time.perf_counter() - start:.1f}s)")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main)

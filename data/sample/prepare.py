@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         config = config_lib.load(config_path, args.set)
-        manifest = prepare_data(config, workers=args.workers, strict=args.strict, force=args.force)
+        manifest = prepare_data(config.data, config.model.vocab_size, workers=args.workers, strict=args.strict,
+                                force=args.force)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from megatron_lite import config as config_lib
-from megatron_lite.config import ModelConfig
-from megatron_lite.model.attention import BACKENDS, SelfAttention, check_backend_available
+from megatron_lite.config import BACKENDS, ModelConfig
+from megatron_lite.model.attention import SelfAttention, check_backend_available
 from megatron_lite.model.gpt import DTYPES
 from megatron_lite.model.position import PositionContext, PositionScheme, build_position_scheme, build_rotary
 from megatron_lite.model.rope import RotaryEmbedding

@@ -5,10 +5,10 @@ from megatron_lite.convert.conversion import (
     ConversionResult,
     LoadedCheckpoint,
     convert_checkpoint,
-    load_checkpoint,
+    read_checkpoint,
     rope_to_coca,
 )
 from megatron_lite.convert.hf_export import export_hf
 from megatron_lite.convert.hf_import import import_hf
 
-__all__ = ["TARGETS", "ConversionResult", "LoadedCheckpoint", "convert_checkpoint", "export_hf", "import_hf", "load_checkpoint", "rope_to_coca"]
+__all__ = ["TARGETS", "ConversionResult", "LoadedCheckpoint", "convert_checkpoint", "export_hf", "import_hf", "read_checkpoint", "rope_to_coca"]

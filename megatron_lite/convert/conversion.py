@@ -1,11 +1,11 @@
 """Any checkpoint in, any format out: the library behind ``tools/convert_checkpoint.py``.
 
-Inputs (detected by ``megatron_lite.checkpoint.checkpoint_kind``): a run dir (its latest complete
+Inputs (detected by ``megatron_lite.checkpoint_dirs.checkpoint_kind``): a run dir (its latest complete
 checkpoint), a DeepSpeed step dir (any ZeRO stage and world size, consolidated with DeepSpeed's
 own utilities), a consolidated dir (config.yml + model.safetensors) or a Hugging Face dir.
 
 Targets: ``hf`` (hf_export), ``safetensors`` and ``megatron_lite`` (both a consolidated dir that
-``megatron_lite.checkpoint.load_model`` and training resume from). ``coca`` turns a RoPE model
+``megatron_lite.weights.load_model`` and training resume from). ``coca`` turns a RoPE model
 into a CoCA model (see ``rope_to_coca``).
 
 Outputs are staged in a hidden sibling directory and moved into place when complete, so a failed
@@ -23,14 +23,15 @@ from pathlib import Path
 
 import torch
 
-from megatron_lite import checkpoint
+from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
-from megatron_lite.convert import layout
 from megatron_lite.convert.hf_config import uses_stock_model
 from megatron_lite.convert.hf_export import export_hf
 from megatron_lite.convert.hf_import import import_hf
+from megatron_lite.convert.hf_names import cast, untie
 from megatron_lite.model.gpt import DTYPES
+from megatron_lite.weights import check_tensors, expected_shapes, load_state_dict, save_consolidated
 
 TARGETS = ("hf", "safetensors", "megatron_lite")
 
@@ -41,6 +42,7 @@ class LoadedCheckpoint:
     config: Config
     tokenizer_path: Path | None
     kind: str  # run | step | consolidated | hf
+    step: int | None = None  # the training step of a step dir (a run dir: of its latest complete checkpoint)
 
 
 @dataclass
@@ -49,18 +51,20 @@ class ConversionResult:
     source_kind: str  # run | step | consolidated | hf
     config: Config  # of the written model
     needs_remote_code: bool  # an hf output that loads only with trust_remote_code=True
+    step: int | None = None  # the training step exported, when the input is a run or step dir
 
 
-def load_checkpoint(path: str | os.PathLike[str]) -> LoadedCheckpoint:
+def read_checkpoint(path: str | os.PathLike[str]) -> LoadedCheckpoint:
     """Weights (megatron_lite names, checked against the config), config and tokenizer of any input."""
-    resolved = checkpoint.resolve_checkpoint(path)
-    kind = checkpoint.checkpoint_kind(resolved)
+    resolved = checkpoint_dirs.resolve_checkpoint(path)
+    kind = checkpoint_dirs.checkpoint_kind(resolved)
     if kind == "hf":
         state, config, tokenizer = import_hf(resolved)
     else:
-        state, config, tokenizer = checkpoint.load_state_dict(resolved)
-        checkpoint.check_tensors(state, checkpoint.expected_shapes(config.model), str(resolved))
-    return LoadedCheckpoint(state, config, tokenizer, kind)
+        state, config, tokenizer = load_state_dict(resolved)
+        check_tensors(state, expected_shapes(config.model), str(resolved))
+    step = checkpoint_dirs.checkpoint_step(resolved) if kind == "step" else None
+    return LoadedCheckpoint(state, config, tokenizer, kind, step)
 
 
 def rope_to_coca(config: Config, constraint: str) -> Config:
@@ -119,13 +123,13 @@ def convert_checkpoint(
     source = Path(input_path)
     if output.exists() and output.is_dir() and any(output.iterdir()) and not force:  # fail before the slow load
         raise ValueError(f"OUTPUT {output.resolve()} is not empty; pass --force to replace its contents")
-    loaded = load_checkpoint(source)
+    loaded = read_checkpoint(source)
     config = rope_to_coca(loaded.config, coca) if coca is not None else loaded.config
     with staged_output(output, force, source) as staging:
         if to == "hf":
             export_hf(loaded.state, config, staging, loaded.tokenizer_path, DTYPES[dtype])
         else:
-            state = layout.untie(layout.cast(loaded.state, DTYPES[dtype]))
-            checkpoint.save_consolidated(state, config, staging, loaded.tokenizer_path)
+            state = untie(cast(loaded.state, DTYPES[dtype]))
+            save_consolidated(state, config, staging, loaded.tokenizer_path)
     remote = to == "hf" and not uses_stock_model(config.model)
-    return ConversionResult(output.resolve(), loaded.kind, config, remote)
+    return ConversionResult(output.resolve(), loaded.kind, config, remote, loaded.step)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import ROTARY_SCHEMES, ModelConfig
 
 STOCK_MODEL_TYPE = "gpt_neox"
 REMOTE_MODEL_TYPE = "megatron_lite_gpt"
@@ -33,10 +33,6 @@ GPT_NEOX_DEFAULT_ROTARY_PCT = 0.25  # what GPTNeoXConfig assumes when a config n
 
 def uses_stock_model(model: ModelConfig) -> bool:
     return model.position.scheme in STOCK_SCHEMES
-
-
-def rotary_train_length(model: ModelConfig) -> int:
-    return model.position.scaling.original_max_position_embeddings or model.seq_length
 
 
 def rope_fields(model: ModelConfig) -> tuple[dict[str, Any], int]:
@@ -55,9 +51,9 @@ def rope_fields(model: ModelConfig) -> tuple[dict[str, Any], int]:
         params["rope_theta"] = position.rotary_emb_base * scaling.factor ** (dims / (dims - 2))
     elif kind == "dynamic":
         params.update(rope_type="dynamic", factor=scaling.factor)
-        max_positions = rotary_train_length(model)
+        max_positions = model.rotary_train_length
     elif kind == "yarn":
-        train_length = rotary_train_length(model)
+        train_length = model.rotary_train_length
         params.update(rope_type="yarn", factor=scaling.factor, original_max_position_embeddings=train_length,
                       beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow)
         max_positions = math.ceil(train_length * scaling.factor)
@@ -118,7 +114,7 @@ def model_section_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     max_positions = int(hf.get("max_position_embeddings", 2048))
     seq_length, scaling = max_positions, {"type": "none"}
     kind = rope["rope_type"]
-    if scheme in ("rope", "coca"):
+    if scheme in ROTARY_SCHEMES:
         if kind == "linear":
             scaling = {"type": "linear", "factor": float(rope["factor"])}
         elif kind == "dynamic":

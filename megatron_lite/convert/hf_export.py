@@ -21,9 +21,10 @@ import torch
 
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
-from megatron_lite.convert import layout
 from megatron_lite.convert.hf_config import hf_config_fields, uses_stock_model
+from megatron_lite.convert.hf_names import cast, to_hf_state, untie
 from megatron_lite.convert.hf_tokenizer import write_hf_tokenizer
+from megatron_lite.weights import save_safetensors
 
 HF_WEIGHTS_FILE = "model.safetensors"
 TRAINING_CONFIG_FILE = "megatron_lite_config.yml"
@@ -61,17 +62,16 @@ def export_hf(
     dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Write the HF directory into ``out_dir`` (which must exist; the caller stages it)."""
-    from safetensors.torch import save_file
     from transformers import GenerationConfig
 
     out = Path(out_dir)
-    hf_state = layout.untie(layout.cast(layout.to_hf_state(state, config.model), dtype))
+    hf_state = untie(cast(to_hf_state(state, config.model), dtype))
     special_ids = write_hf_tokenizer(tokenizer_path, out) if tokenizer_path is not None else dict(DEFAULT_SPECIAL_IDS)
     if not uses_stock_model(config.model):
         for module in (REMOTE_CONFIG_MODULE, REMOTE_MODELING_MODULE):
             shutil.copyfile(REMOTE_DIR / f"{module}.py", out / f"{module}.py")
     build_hf_config(config, special_ids, dtype).save_pretrained(out)
     GenerationConfig(**special_ids).save_pretrained(out)
-    save_file(hf_state, str(out / HF_WEIGHTS_FILE), metadata={"format": "pt"})
+    save_safetensors(hf_state, out / HF_WEIGHTS_FILE, metadata={"format": "pt"})
     config_lib.save(config, out / TRAINING_CONFIG_FILE)
     return out

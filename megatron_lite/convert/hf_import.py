@@ -15,7 +15,6 @@ exists, and other sections take their defaults — set them with ``--set`` when 
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +22,10 @@ import torch
 
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
-from megatron_lite.convert import layout
+from megatron_lite.console import notice
 from megatron_lite.convert.hf_config import hf_config_fields, model_section_from_hf
 from megatron_lite.convert.hf_export import TRAINING_CONFIG_FILE
+from megatron_lite.convert.hf_names import from_hf_state
 from megatron_lite.convert.hf_tokenizer import SENTENCEPIECE_FILE, TOKENIZER_JSON
 
 # Model keys that describe training, not the architecture: kept from megatron_lite_config.yml.
@@ -67,8 +67,8 @@ def _config_from_hf(hf_dir: Path, hf: dict[str, Any]) -> Config:
         return training
     changed = sorted(key for key, value in hf_config_fields(derived.model).items()
                      if hf_config_fields(training.model).get(key) != value)
-    warnings.warn(f"{hf_dir}: config.json differs from {TRAINING_CONFIG_FILE} in {', '.join(changed)}; "
-                  "config.json wins for the architecture", stacklevel=3)
+    notice(f"{hf_dir}: config.json differs from {TRAINING_CONFIG_FILE} in {', '.join(changed)}; "
+           "config.json wins for the architecture", stacklevel=3)
     data = config_lib.to_dict(training)
     model_section.update({key: data["model"][key] for key in TRAINING_ONLY_MODEL_KEYS})
     data["model"] = model_section
@@ -82,11 +82,11 @@ def import_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], Config, Path |
     if not config_file.is_file():
         raise ValueError(f"{hf_dir}: no config.json, not a Hugging Face model directory")
     config = _config_from_hf(hf_dir, json.loads(config_file.read_text()))
-    state = layout.from_hf_state(load_hf_weights(hf_dir), config.model, str(hf_dir))
+    state = from_hf_state(load_hf_weights(hf_dir), config.model, str(hf_dir))
     tokenizer = hf_dir / SENTENCEPIECE_FILE
     if tokenizer.is_file():
         return state, config, tokenizer
     if (hf_dir / TOKENIZER_JSON).is_file():
-        warnings.warn(f"{hf_dir}: the tokenizer is not a SentencePiece model (no {SENTENCEPIECE_FILE}); it is not "
-                      "carried over — megatron_lite's data pipeline needs data.tokenizer.model", stacklevel=2)
+        notice(f"{hf_dir}: the tokenizer is not a SentencePiece model (no {SENTENCEPIECE_FILE}); it is not "
+               "carried over — megatron_lite's data pipeline needs data.tokenizer.model", stacklevel=2)
     return state, config, None

@@ -26,13 +26,14 @@ import json
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from megatron_lite.files import json_sha256, temporary_sibling
 
 INDEX_FORMAT_VERSION = 1
 DEFAULT_SHUFFLE_BLOCK = 4
@@ -319,14 +320,13 @@ class BlendIndex:
 
 def index_key(inputs: Mapping[str, Any]) -> str:
     """16 hex digits of sha256 over the canonical JSON of the inputs."""
-    canonical = json.dumps({"format_version": INDEX_FORMAT_VERSION, **inputs}, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    return json_sha256({"format_version": INDEX_FORMAT_VERSION, **inputs}, separators=(",", ":"))[:16]
 
 
 def _write(directory: Path, blend: BlendArrays, inputs: Mapping[str, Any], seconds: float) -> None:
     """Arrays into a temp directory, meta.json last, then one rename: all or nothing."""
     directory.parent.mkdir(parents=True, exist_ok=True)
-    temporary = directory.parent / f".{directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    temporary = temporary_sibling(directory)
     temporary.mkdir()
     try:
         for name, array in blend.arrays.items():

@@ -12,7 +12,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from megatron_lite.data.mix import SourceConfig
+from megatron_lite.config import SourceConfig
 
 MAX_EXAMPLES = 5  # locations kept per problem for the report
 

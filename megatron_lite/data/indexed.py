@@ -23,12 +23,14 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-import tempfile
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from megatron_lite.files import temporary_sibling
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -49,12 +51,6 @@ AMBIGUOUS_CODES = (6, 7)
 
 _INT32_MAX = np.iinfo(np.int32).max
 _COPY_CHUNK = 16 << 20  # bytes per read when merging .bin files
-
-
-def _current_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 class IndexedDatasetError(ValueError):
@@ -134,11 +130,10 @@ class IndexedDatasetWriter:
         self._sizes: list[int] = []
         self._doc_idx: list[int] = [0]
         self._closed = False
-        directory = os.path.dirname(os.path.abspath(self.prefix))
-        base = os.path.basename(self.prefix)
-        fd, self._bin_tmp = tempfile.mkstemp(dir=directory, prefix=f".{base}.bin.", suffix=".tmp")
-        self._bin = os.fdopen(fd, "wb")
-        self._idx_tmp: str | None = None
+        # Temporary names beside the targets; open() applies the umask (shards are shared by ranks and users).
+        self._bin_tmp = temporary_sibling(os.path.abspath(data_file_path(self.prefix)))
+        self._bin = open(self._bin_tmp, "xb")
+        self._idx_tmp: Path | None = None
 
     # -- building -------------------------------------------------------------------------
     def add_item(self, tokens: Any) -> None:
@@ -187,10 +182,8 @@ class IndexedDatasetWriter:
             if len(self._sizes) > 1:
                 np.cumsum(sizes[:-1].astype("<i8") * self.dtype.itemsize, out=pointers[1:])
             doc_idx = np.asarray(self._doc_idx, dtype="<i8")  # (D,)
-            directory = os.path.dirname(os.path.abspath(self.prefix))
-            base = os.path.basename(self.prefix)
-            fd, self._idx_tmp = tempfile.mkstemp(dir=directory, prefix=f".{base}.idx.", suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
+            self._idx_tmp = temporary_sibling(os.path.abspath(index_file_path(self.prefix)))
+            with open(self._idx_tmp, "xb") as f:
                 f.write(_HEADER.pack(MAGIC, VERSION, self._code, len(sizes), len(doc_idx)))
                 f.write(sizes.tobytes())
                 f.write(pointers.tobytes())
@@ -201,10 +194,6 @@ class IndexedDatasetWriter:
             idx_path, bin_path = index_file_path(self.prefix), data_file_path(self.prefix)
             if os.path.lexists(idx_path):
                 os.unlink(idx_path)
-            # mkstemp creates 0600 files; shards live in caches shared by ranks and users.
-            file_mode = 0o666 & ~_current_umask()
-            os.chmod(self._bin_tmp, file_mode)
-            os.chmod(self._idx_tmp, file_mode)
             os.replace(self._bin_tmp, bin_path)
             os.replace(self._idx_tmp, idx_path)
         except BaseException:

@@ -1,7 +1,8 @@
 """Training and validation datasets over the cached blend index (megatron_lite.data.blend).
 
-    train, valid = build_train_valid_datasets(config, manifest, num_train_samples=iters * global_batch,
-                                              num_valid_samples=..., rank=dp_rank, world_size=dp_size,
+    train, valid = build_train_valid_datasets(config.data, config.model.seq_length, manifest,
+                                              num_train_samples=iters * global_batch, num_valid_samples=...,
+                                              rank=dp_rank, world_size=dp_size,
                                               consumed_samples=samples_seen_before_resume)
     loader = torch.utils.data.DataLoader(train, batch_size=micro_batch, shuffle=False)
 
@@ -18,10 +19,8 @@ its own, so the union of the ranks' streams is exactly the single-rank stream fr
 
 from __future__ import annotations
 
-import importlib
 import os
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,11 +29,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from megatron_lite.config import Config
+from megatron_lite.config import DataConfig, MixConfig
+from megatron_lite.console import notice
 from megatron_lite.data import blend
 from megatron_lite.data.indexed import IndexedDataset
 from megatron_lite.data.manifest import Manifest
-from megatron_lite.data.mix import MixConfig, group_weights, load_mix
+from megatron_lite.data.mix import group_weights, load_mix
 
 
 @dataclass(frozen=True)
@@ -48,17 +48,16 @@ class SourceShards:
     fingerprint: tuple[tuple[str, int, int, str, str], ...]  # per shard: prefix, documents, tokens, sha256s
 
 
-def resolve_sources(config: Config, manifest: Manifest, mix: MixConfig | None = None) -> tuple[list[SourceShards], dict[str, float]]:
+def resolve_sources(data: DataConfig, manifest: Manifest, mix: MixConfig) -> tuple[list[SourceShards], dict[str, float]]:
     """The mix's sources (in mix order) matched to the manifest, and the normalised group weights."""
-    mix = mix if mix is not None else load_mix(config.data.mix)
-    cache_dir = Path(config.data.cache_dir)
+    cache_dir = Path(data.cache_dir)
     sources = []
     for group_name, group in mix.groups.items():
         for name, source_config in group.sources.items():
             record = manifest.sources.get(name)
             hint = f"run tools/preprocess_data.py --config CONFIG (data.cache_dir={str(cache_dir)!r})"
             if record is None:
-                raise ValueError(f"source {name!r} of data.mix={config.data.mix!r} is not in the manifest: {hint}")
+                raise ValueError(f"source {name!r} of data.mix={data.mix!r} is not in the manifest: {hint}")
             if record.group != group_name:
                 raise ValueError(f"source {name!r}: group {record.group!r} in the manifest, {group_name!r} in the mix: {hint}")
             if not record.complete or not record.shards:
@@ -188,7 +187,8 @@ def _is_index_builder(rank: int) -> bool:
 
 
 def build_blended_dataset(
-    config: Config,
+    data: DataConfig,
+    seq_length: int,
     manifest: Manifest,
     split: str,
     num_samples: int,
@@ -198,11 +198,11 @@ def build_blended_dataset(
     shuffle_block: int = blend.DEFAULT_SHUFFLE_BLOCK,
     wait_timeout_s: float = 3600.0,
 ) -> BlendedDataset:
-    """All ``num_samples`` samples of ``split``; the order is cached under <cache_dir>/index/<hash>/."""
-    sources, weights = resolve_sources(config, manifest, mix)
-    data = config.data
+    """All ``num_samples`` samples of ``split``; the order is cached under <cache_dir>/index/<hash>/.
+    ``mix`` is data.mix parsed (parsed here when not given)."""
+    sources, weights = resolve_sources(data, manifest, mix if mix is not None else load_mix(data.mix))
     inputs = {
-        "split": split, "num_samples": num_samples, "seq_length": config.model.seq_length, "seed": data.seed,
+        "split": split, "num_samples": num_samples, "seq_length": seq_length, "seed": data.seed,
         "validation_fraction": data.validation_fraction, "shuffle_block": shuffle_block, "group_weights": weights,
         "sources": [{"name": s.name, "group": s.group, "weight": s.weight, "shards": [list(f) for f in s.fingerprint]}
                     for s in sources],
@@ -211,7 +211,7 @@ def build_blended_dataset(
     def build() -> blend.BlendArrays:
         blend_sources = [blend.BlendSource(s.name, s.group, document_lengths(s), s.weight) for s in sources]
         return blend.build_blend(
-            blend_sources, weights, split=split, num_samples=num_samples, seq_length=config.model.seq_length,
+            blend_sources, weights, split=split, num_samples=num_samples, seq_length=seq_length,
             seed=data.seed, validation_fraction=data.validation_fraction, shuffle_block=shuffle_block,
         )
 
@@ -221,7 +221,8 @@ def build_blended_dataset(
 
 
 def build_train_valid_datasets(
-    config: Config,
+    data: DataConfig,
+    seq_length: int,
     manifest: Manifest,
     num_train_samples: int,
     num_valid_samples: int,
@@ -242,23 +243,25 @@ def build_train_valid_datasets(
     if num_valid_samples < 0:
         raise ValueError(f"num_valid_samples={num_valid_samples}: must be >= 0")
     is_builder = _is_index_builder(rank)
+    mix = mix if mix is not None else load_mix(data.mix)
     common = {"mix": mix, "is_builder": is_builder, "wait_timeout_s": wait_timeout_s}
-    train = build_blended_dataset(config, manifest, "train", num_train_samples, **common)
+    train = build_blended_dataset(data, seq_length, manifest, "train", num_train_samples, **common)
     train_slice = RankSlice(train, rank, world_size, consumed_samples)
     if num_valid_samples == 0:
         return train_slice, None
-    if config.data.validation_fraction == 0:
-        warnings.warn(f"num_valid_samples={num_valid_samples} ignored: data.validation_fraction is 0", stacklevel=2)
+    if data.validation_fraction == 0:
+        notice(f"num_valid_samples={num_valid_samples} ignored: data.validation_fraction is 0", stacklevel=2)
         return train_slice, None
-    valid = build_blended_dataset(config, manifest, "valid", num_valid_samples, **common)
+    valid = build_blended_dataset(data, seq_length, manifest, "valid", num_valid_samples, **common)
     return train_slice, RankSlice(valid, rank, world_size, 0)
 
 
-def data_report(config: Config, manifest: Manifest, num_samples: int, *, mix: MixConfig | None = None) -> dict[str, Any]:
+def data_report(data: DataConfig, seq_length: int, manifest: Manifest, num_samples: int, *,
+                mix: MixConfig | None = None) -> dict[str, Any]:
     """What tools/inspect_data.py prints: token shares of the first ``num_samples`` training samples
     (all samples have seq_length tokens, so sample shares are token shares), per-source counts,
     and sample 0."""
-    dataset = build_blended_dataset(config, manifest, "train", num_samples, mix=mix)
+    dataset = build_blended_dataset(data, seq_length, manifest, "train", num_samples, mix=mix)
     counts = np.bincount(np.asarray(dataset.blend_source), minlength=len(dataset.source_names))  # (sources,)
     source_share = {name: float(c) / num_samples for name, c in zip(dataset.source_names, counts)}
     group_share = {group: 0.0 for group in dataset.group_names}
@@ -287,24 +290,11 @@ def data_report(config: Config, manifest: Manifest, num_samples: int, *, mix: Mi
     }
 
 
-def find_prepare_data() -> Callable[[Config], Any] | None:
-    """megatron_lite.data.preprocess.prepare_data(config) if it is installed, else None."""
-    try:
-        module = importlib.import_module("megatron_lite.data.preprocess")
-    except ModuleNotFoundError as error:
-        if error.name != "megatron_lite.data.preprocess":
-            raise  # the module exists but one of its own imports is missing: show that
-        return None
-    return getattr(module, "prepare_data", None)
-
-
 def decode_tokens(token_ids: Sequence[int], cache_dir: str | os.PathLike[str], manifest: Manifest) -> str | None:
-    """Text of ``token_ids`` with the manifest's SentencePiece model; None if it is not available."""
+    """Text of ``token_ids`` with the manifest's SentencePiece model; None when the cache has none."""
     path = Path(cache_dir) / manifest.tokenizer.path
     if not path.is_file():
         return None
-    try:
-        import sentencepiece
-    except ImportError:
-        return None
+    import sentencepiece
+
     return sentencepiece.SentencePieceProcessor(model_file=str(path)).decode([int(t) for t in token_ids])

@@ -10,9 +10,10 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from megatron_lite.files import write_json_atomic
 
 
 @dataclass
@@ -61,12 +62,10 @@ def manifest_path(cache_dir: str | Path) -> Path:
 
 
 def save_manifest(manifest: Manifest, cache_dir: str | Path) -> None:
-    """Atomic: write a temp file, then rename over the old manifest."""
+    """Atomic: a reader sees the old manifest or the new one."""
     path = manifest_path(cache_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(asdict(manifest), indent=2, sort_keys=True))
-    os.replace(temporary, path)
+    write_json_atomic(path, asdict(manifest), indent=2, sort_keys=True)
 
 
 def load_manifest(cache_dir: str | Path) -> Manifest:

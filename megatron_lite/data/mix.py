@@ -11,56 +11,18 @@
           stdlib: {type: python_code}
 
 Group weights are shares of training tokens. Inside a group, sources take their natural token
-proportions unless every source of the group sets ``weight``.
+proportions unless every source of the group sets ``weight``. The dataclasses live in
+``megatron_lite.config.schema``; this module reads and checks the files.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import yaml
 
-from megatron_lite.config import parse_dataclass
-
-
-def _doc(help_text: str, **kwargs):  # same convention as megatron_lite.config
-    return field(metadata={"help": help_text}, **kwargs)
-
-
-@dataclass
-class SourceConfig:
-    type: Literal["hf", "jsonl", "text", "parquet", "python_docs", "python_code"] = _doc(
-        "hf: a datasets hub id or local dataset dir (load_dataset); jsonl: JSON-lines files; text: .txt "
-        "files or directories (one document per file); parquet: parquet files; python_docs / python_code: "
-        "the built-in offline sample (English prose / stdlib sources shipped with Python)."
-    )
-    path: str | None = _doc("Hub id, or a local file, directory or glob.", default=None)
-    name: str | None = _doc("HF dataset configuration name (e.g. 20231101.en).", default=None)
-    split: str = _doc("HF split.", default="train")
-    data_files: str | None = _doc("HF data_files pattern (a subset of a hub dataset's files).", default=None)
-    streaming: bool = _doc("Stream from the hub instead of downloading the whole dataset first.", default=False)
-    text_field: str = _doc("Record field holding the document text (hf, jsonl, parquet).", default="text")
-    weight: float | None = _doc("Token weight inside the group; null = natural token proportion.", default=None)
-    max_documents: int | None = _doc("Read at most this many documents (samples a huge source).", default=None)
-    strip_gutenberg: bool = _doc("Strip Project Gutenberg headers/footers (*** START/END OF ... ***).", default=False)
-    normalize_newlines: bool = _doc("Convert CRLF/CR line ends to LF.", default=True)
-    min_chars: int = _doc("Drop (and count) documents shorter than this after cleaning.", default=1)
-    deduplicate: bool = _doc("Drop (and count) exact duplicate documents within the source.", default=True)
-
-
-@dataclass
-class GroupConfig:
-    weight: float = _doc("Share of training tokens (group weights are normalised to sum to 1).")
-    sources: dict[str, SourceConfig] = _doc("Named sources of this group.")
-
-
-@dataclass
-class MixConfig:
-    groups: dict[str, GroupConfig] = _doc("Named groups (e.g. text, code).")
-    description: str = _doc("Free text shown by inspect tools.", default="")
+from megatron_lite.config import MixConfig, parse_dataclass
 
 
 def validate_mix(mix: MixConfig, origin: str = "mix") -> MixConfig:

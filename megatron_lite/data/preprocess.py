@@ -1,10 +1,11 @@
 """Tokenise every source of the mix into MMIDIDX shards under ``data.cache_dir`` (see manifest.py).
 
-``prepare_data(config)`` is the one entry point (tools/preprocess_data.py, data/*/prepare.py and
-the training loop call it): tokenizer first (trained from the mix, or the configured model
-copied into the cache), then each source. It is idempotent: a source whose manifest entry is
-complete for the same source-config hash (settings + local input fingerprint) and tokenizer
-hash is not read again, and an interrupted source resumes after its last finished shard.
+``prepare_data(config.data, config.model.vocab_size)`` is the one entry point
+(tools/preprocess_data.py, data/*/prepare.py and the training loop call it): tokenizer first
+(trained from the mix, or the configured model copied into the cache), then each source. It is
+idempotent: a source whose manifest entry is complete for the same source-config hash (settings +
+local input fingerprint) and tokenizer hash is not read again, and an interrupted source resumes
+after its last finished shard.
 
 Documents are encoded by ``multiprocessing`` workers in chunks; results are consumed in
 submission order, so the shards are byte-identical for any worker count.
@@ -14,12 +15,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
-import json
 import multiprocessing
 import os
 import time
-import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -28,14 +26,17 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from megatron_lite.config import Config
+from megatron_lite.config import DataConfig, MixConfig, SourceConfig
+from megatron_lite.console import notice
 from megatron_lite.data.cleaning import MAX_EXAMPLES, Cleaner, Tally
 from megatron_lite.data.indexed import HEADER_SIZE, IndexedDatasetWriter, dtype_for_vocab, neox_prefix
 from megatron_lite.data.manifest import (Manifest, ShardRecord, SourceRecord, TokenizerRecord, load_manifest,
                                          manifest_path, save_manifest)
-from megatron_lite.data.mix import SourceConfig, load_mix
-from megatron_lite.data.sources import BadRecord, input_fingerprint, read_source
-from megatron_lite.data.tokenizer import TOKENIZER_FILE, Tokenizer, ensure_tokenizer, file_sha256
+from megatron_lite.data.mix import load_mix
+from megatron_lite.data.records import BadRecord
+from megatron_lite.data.sources import input_fingerprint, read_source
+from megatron_lite.data.tokenizer import TOKENIZER_FILE, Tokenizer, ensure_tokenizer
+from megatron_lite.files import file_sha256, json_sha256
 
 PIPELINE_VERSION = 1  # bump when cleaning or sharding changes what a source config produces
 DEFAULT_DOCUMENTS_PER_SHARD = 100_000
@@ -115,7 +116,7 @@ def source_config_hash(source: SourceConfig, name: str) -> str:
     """What determines a source's shards: its settings (not its blend weight) and its local inputs."""
     settings = {k: v for k, v in dataclasses.asdict(source).items() if k != "weight"}
     payload = {"version": PIPELINE_VERSION, "source": settings, "inputs": input_fingerprint(source, name)}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+    return json_sha256(payload)
 
 
 def shard_prefix(name: str, index: int) -> str:
@@ -279,25 +280,27 @@ def _previous_manifest(cache_dir: Path) -> Manifest | None:
     try:
         return load_manifest(cache_dir)
     except (ValueError, KeyError, TypeError) as error:  # an older or damaged manifest: rebuild
-        warnings.warn(f"{manifest_path(cache_dir)} is unreadable ({error}); rebuilding every source", stacklevel=3)
+        notice(f"{manifest_path(cache_dir)} is unreadable ({error}); rebuilding every source", stacklevel=3)
         return None
 
 
-def prepare_data(config: Config, workers: int | None = None, strict: bool = False, progress: bool = True, *,
-                 documents_per_shard: int = DEFAULT_DOCUMENTS_PER_SHARD, force: bool = False) -> Manifest:
-    """Tokenizer + shards + manifest for ``config.data``; cheap when everything is cached.
+def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, strict: bool = False,
+                 progress: bool = True, *, documents_per_shard: int = DEFAULT_DOCUMENTS_PER_SHARD, force: bool = False,
+                 mix: MixConfig | None = None) -> Manifest:
+    """Tokenizer + shards + manifest for the data section; cheap when everything is cached.
 
+    ``vocab_size`` is model.vocab_size; ``mix`` is data.mix parsed (parsed here when not given).
     ``workers`` defaults to ``data.num_workers``; ``strict`` aborts at the first bad record
     (BadRecordError naming it); ``force`` rebuilds every source. Prints the report when ``progress``.
     """
     if documents_per_shard < 1:
         raise ValueError(f"documents_per_shard={documents_per_shard}: must be >= 1")
-    workers = config.data.num_workers if workers is None else workers
+    workers = data.num_workers if workers is None else workers
     if workers < 1:
         raise ValueError(f"workers={workers}: must be >= 1")
-    cache_dir = Path(config.data.cache_dir)
-    mix = load_mix(config.data.mix)
-    tokenizer = ensure_tokenizer(config, mix, progress=progress)
+    cache_dir = Path(data.cache_dir)
+    mix = mix if mix is not None else load_mix(data.mix)
+    tokenizer = ensure_tokenizer(data, vocab_size, mix, progress=progress)
     dtype = dtype_for_vocab(tokenizer.vocab_size)
     old = _previous_manifest(cache_dir)
     same_tokenizer = old is not None and old.tokenizer.sha256 == tokenizer.sha256 and not force

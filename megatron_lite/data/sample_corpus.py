@@ -21,8 +21,8 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from megatron_lite.data.mix import SourceConfig
-from megatron_lite.data.sources import NON_UTF8, UNPARSABLE, BadRecord, Record, make_record
+from megatron_lite.config import SourceConfig
+from megatron_lite.data.records import NON_UTF8, UNPARSABLE, BadRecord, Record, make_record
 
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 

@@ -15,66 +15,20 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from megatron_lite.data.mix import SourceConfig
+from megatron_lite.config import SourceConfig
+from megatron_lite.data import sample_corpus
+from megatron_lite.data.records import EMPTY, INVALID_JSON, MISSING_FIELD, NON_UTF8, BadRecord, Document, Record, make_record
 
 # Bad-record problems (a record present in the source that cannot become a document).
-INVALID_JSON = "invalid_json"
-MISSING_FIELD = "missing_field"
-NOT_TEXT = "not_text"  # the field holds a number, list, ... instead of a string
-NON_UTF8 = "non_utf8"
-EMPTY = "empty"  # empty or whitespace-only text
-UNPARSABLE = "unparsable"  # python_docs: a .py file ast cannot parse
-BAD_RECORD_PROBLEMS = (INVALID_JSON, MISSING_FIELD, NOT_TEXT, NON_UTF8, EMPTY, UNPARSABLE)
-
 # Files a directory path stands for, per local source type.
 SUFFIXES: dict[str, tuple[str, ...]] = {
     "jsonl": (".jsonl", ".json", ".jsonl.gz", ".json.gz"),
     "text": (".txt",),
     "parquet": (".parquet",),
 }
-
-
-@dataclass(frozen=True)
-class Document:
-    text: str
-    location: str
-
-
-@dataclass(frozen=True)
-class BadRecord:
-    problem: str
-    location: str
-    detail: str
-
-    def describe(self) -> str:
-        return f"{self.location}: {self.problem} ({self.detail})"
-
-
-Record = Document | BadRecord
-
-
-def make_record(value: Any, location: str, field: str = "text") -> Record:
-    """Validate one extracted field value: a non-empty, encodable string becomes a Document."""
-    if value is None:
-        return BadRecord(MISSING_FIELD, location, f"field {field!r} is null")
-    if isinstance(value, (bytes, bytearray)):
-        try:
-            value = bytes(value).decode("utf-8")
-        except UnicodeDecodeError as error:
-            return BadRecord(NON_UTF8, location, f"invalid UTF-8 at byte {error.start}")
-    if not isinstance(value, str):
-        return BadRecord(NOT_TEXT, location, f"field {field!r} is a {type(value).__name__}, not a string")
-    try:
-        value.encode("utf-8")  # JSON "\ud800" escapes decode to lone surrogates that cannot be encoded
-    except UnicodeEncodeError as error:
-        return BadRecord(NON_UTF8, location, f"unencodable character at offset {error.start} (lone surrogate)")
-    if not value.strip():
-        return BadRecord(EMPTY, location, "empty text" if not value else "whitespace-only text")
-    return Document(value, location)
 
 
 def expand_paths(path: str, suffixes: tuple[str, ...], name: str) -> list[Path]:
@@ -193,24 +147,20 @@ def read_hf(source: SourceConfig, name: str) -> Iterator[Record]:
             yield make_record(record[field], location, field)
 
 
-def _builtin_reader(kind: str) -> Callable[[SourceConfig, str], Iterator[Record]]:
-    from megatron_lite.data import sample_corpus  # imports this module: resolved lazily
-
-    return sample_corpus.read_python_docs if kind == "python_docs" else sample_corpus.read_python_code
-
-
 READERS: dict[str, Callable[[SourceConfig, str], Iterator[Record]]] = {
     "jsonl": read_jsonl,
     "text": read_text,
     "parquet": read_parquet,
     "hf": read_hf,
+    "python_docs": sample_corpus.read_python_docs,
+    "python_code": sample_corpus.read_python_code,
 }
 
 
 def read_source(source: SourceConfig, name: str = "source") -> Iterator[Record]:
     """Documents and bad records of one source in a deterministic order; at most
     ``max_documents`` documents (bad records do not count towards it)."""
-    reader = READERS.get(source.type) or _builtin_reader(source.type)
+    reader = READERS[source.type]
     documents = 0
     for record in reader(source, name):
         yield record
@@ -229,8 +179,6 @@ def input_fingerprint(source: SourceConfig, name: str = "source") -> str:
     files: list[Path] = []
     extra = ""
     if source.type in ("python_docs", "python_code"):
-        from megatron_lite.data import sample_corpus
-
         files = sample_corpus.input_files(source)
         extra = sys.version
     elif source.type in SUFFIXES:

@@ -21,15 +21,11 @@ space, as in every SentencePiece model.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,10 +33,13 @@ from typing import Any
 import sentencepiece as spm
 from tqdm import tqdm
 
-from megatron_lite.config import Config
+from megatron_lite.config import DataConfig, MixConfig
+from megatron_lite.console import notice
 from megatron_lite.data.cleaning import Cleaner
-from megatron_lite.data.mix import MixConfig, group_weights, load_mix
-from megatron_lite.data.sources import Document, read_source
+from megatron_lite.data.mix import group_weights, load_mix
+from megatron_lite.data.records import Document
+from megatron_lite.data.sources import read_source
+from megatron_lite.files import copy_file_atomic, file_sha256, write_bytes_atomic, write_json_atomic
 
 EOD_PIECE, PAD_PIECE, UNK_PIECE = "<|endoftext|>", "<|pad|>", "<unk>"
 EOD_ID, PAD_ID, UNK_ID = 0, 1, 2
@@ -68,11 +67,6 @@ TRAINER_SETTINGS: dict[str, Any] = {
     "bos_id": -1,
     "minloglevel": 2,  # SentencePiece's C++ log is very chatty
 }
-
-
-def file_sha256(path: str | os.PathLike[str]) -> str:
-    with open(path, "rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 class Tokenizer:
@@ -168,10 +162,7 @@ def train_tokenizer(texts: Iterable[str], output: str | os.PathLike[str], vocab_
         raise ValueError(f"tokenizer training failed for vocab_size={vocab_size}: {error} ({hint})") from None
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(model.getvalue())
-    os.replace(temporary, output)
+    write_bytes_atomic(output, model.getvalue())
     tokenizer = Tokenizer(output)
     if tokenizer.vocab_size != vocab_size:
         raise ValueError(f"tokenizer training produced {tokenizer.vocab_size} pieces, not vocab_size={vocab_size}: "
@@ -255,46 +246,45 @@ def train_from_mix(mix: MixConfig, output: str | os.PathLike[str], vocab_size: i
 # The tokenizer of a data cache
 
 
-def _tokenizer_spec(config: Config, mix: MixConfig) -> dict[str, Any]:
-    return {"vocab_size": config.model.vocab_size, "sample_chars": config.data.tokenizer.sample_chars,
+def _tokenizer_spec(data: DataConfig, vocab_size: int, mix: MixConfig) -> dict[str, Any]:
+    return {"vocab_size": vocab_size, "sample_chars": data.tokenizer.sample_chars,
             "mix": dataclasses.asdict(mix), "trainer": TRAINER_SETTINGS, "version": SPEC_VERSION}
 
 
-def ensure_tokenizer(config: Config, mix: MixConfig | None = None, *, retrain: bool = False,
+def ensure_tokenizer(data: DataConfig, vocab_size: int, mix: MixConfig | None = None, *, retrain: bool = False,
                      progress: bool = True) -> Tokenizer:
     """The cache's tokenizer: a copy of ``data.tokenizer.model``, or one trained from the mix
-    (reused while the vocabulary size, sample size, mix and trainer settings are unchanged)."""
-    mix = mix if mix is not None else load_mix(config.data.mix)
-    cache_dir = Path(config.data.cache_dir)
+    (reused while the vocabulary size, sample size, mix and trainer settings are unchanged); ``vocab_size``
+    is model.vocab_size, ``mix`` data.mix parsed (parsed here when not given)."""
+    mix = mix if mix is not None else load_mix(data.mix)
+    cache_dir = Path(data.cache_dir)
     target, spec_path = cache_dir / TOKENIZER_FILE, cache_dir / TOKENIZER_SPEC_FILE
-    given = config.data.tokenizer.model
+    given = data.tokenizer.model
     if given:
         if not os.path.isfile(given):
             raise ValueError(f"data.tokenizer.model={given!r}: file does not exist")
         if not target.is_file() or file_sha256(given) != file_sha256(target):
             target.parent.mkdir(parents=True, exist_ok=True)
-            temporary = target.with_name(f".{target.name}.tmp")
-            shutil.copyfile(given, temporary)
-            os.replace(temporary, target)
+            copy_file_atomic(given, target)
         spec_path.unlink(missing_ok=True)  # not trained by us: a later null model must retrain
         tokenizer = Tokenizer(target)
     else:
-        spec = json.loads(json.dumps(_tokenizer_spec(config, mix)))  # normalised (tuples -> lists)
+        spec = json.loads(json.dumps(_tokenizer_spec(data, vocab_size, mix)))  # normalised (tuples -> lists)
         cached = spec_path.is_file() and target.is_file() and json.loads(spec_path.read_text()) == spec
         if cached and not retrain:
             tokenizer = Tokenizer(target)
         else:
             start = time.perf_counter()
-            tokenizer = train_from_mix(mix, target, config.model.vocab_size, config.data.tokenizer.sample_chars,
-                                       num_threads=config.data.num_workers, progress=progress)
-            spec_path.write_text(json.dumps(spec, indent=2, sort_keys=True))
+            tokenizer = train_from_mix(mix, target, vocab_size, data.tokenizer.sample_chars,
+                                       num_threads=data.num_workers, progress=progress)
+            write_json_atomic(spec_path, spec, indent=2, sort_keys=True)
             if progress:
                 print(f"tokenizer: trained {tokenizer.vocab_size} pieces in {time.perf_counter() - start:.1f}s "
                       f"-> {target}", file=sys.stderr)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(f"model.vocab_size={config.model.vocab_size}: tokenizer {target} has "
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"model.vocab_size={vocab_size}: tokenizer {target} has "
                          f"{tokenizer.vocab_size} pieces, ids would not fit the embedding")
-    if tokenizer.vocab_size < config.model.vocab_size:
-        warnings.warn(f"tokenizer {target} has {tokenizer.vocab_size} pieces, model.vocab_size="
-                      f"{config.model.vocab_size}: the extra embedding rows are never used", stacklevel=2)
+    if tokenizer.vocab_size < vocab_size:
+        notice(f"tokenizer {target} has {tokenizer.vocab_size} pieces, model.vocab_size="
+               f"{vocab_size}: the extra embedding rows are never used", stacklevel=2)
     return tokenizer

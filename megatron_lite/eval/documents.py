@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 
 from megatron_lite.data.cleaning import Cleaner
-from megatron_lite.data.mix import SourceConfig
-from megatron_lite.data.sources import BadRecord, read_source
+from megatron_lite.config import SourceConfig
+from megatron_lite.data.records import BadRecord
+from megatron_lite.data.sources import read_source
 from megatron_lite.data.tokenizer import Tokenizer
 
 

@@ -13,13 +13,8 @@ import torch
 from megatron_lite.model.gpt import GPT
 
 
-def sample_next_token(
-    logits_BV: torch.Tensor,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
+def sample_next_token(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                      top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, V) logits -> (B,) token ids. temperature 0 means greedy."""
     if temperature < 0:
         raise ValueError(f"temperature={temperature}: must be >= 0")
@@ -42,50 +37,37 @@ def sample_next_token(
 
 
 @torch.no_grad()
-def generate(
-    model: GPT,
-    prompt_ids_BT: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    eos_token_id: int | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
+def generate(model: GPT, prompt_ids_BT: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
+             generator: torch.Generator | None = None) -> torch.Tensor:
     """Prompt + up to max_new_tokens ids (B, T + new); rows that emit eos keep emitting eos."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
     was_training = model.training
     model.eval()
-    cache = model.new_cache(prompt_ids_BT.shape[1] + max_new_tokens)
-    tokens = [prompt_ids_BT]
-    finished = torch.zeros(prompt_ids_BT.shape[0], dtype=torch.bool, device=prompt_ids_BT.device)
-    next_input = prompt_ids_BT
-    for _ in range(max_new_tokens):
-        logits_BV = model(next_input, cache=cache, logits_from=next_input.shape[1] - 1)[:, -1]  # (B, V)
-        next_token = sample_next_token(logits_BV, temperature, top_k, top_p, generator)
-        if eos_token_id is not None:
-            next_token = next_token.masked_fill(finished, eos_token_id)
-            finished |= next_token == eos_token_id
-        next_input = next_token[:, None]
-        tokens.append(next_input)
-        if eos_token_id is not None and bool(finished.all()):
-            break
-    model.train(was_training)
+    try:
+        cache = model.new_cache(prompt_ids_BT.shape[1] + max_new_tokens)
+        tokens = [prompt_ids_BT]
+        finished = torch.zeros(prompt_ids_BT.shape[0], dtype=torch.bool, device=prompt_ids_BT.device)
+        next_input = prompt_ids_BT
+        for _ in range(max_new_tokens):
+            logits_BV = model(next_input, cache=cache, logits_from=next_input.shape[1] - 1)[:, -1]  # (B, V)
+            next_token = sample_next_token(logits_BV, temperature, top_k, top_p, generator)
+            if eos_token_id is not None:
+                next_token = next_token.masked_fill(finished, eos_token_id)
+                finished |= next_token == eos_token_id
+            next_input = next_token[:, None]
+            tokens.append(next_input)
+            if eos_token_id is not None and bool(finished.all()):
+                break
+    finally:
+        model.train(was_training)  # the caller's mode, also when generation raises
     return torch.cat(tokens, dim=1)
 
 
-def generate_text(
-    model: GPT,
-    tokenizer: Any,
-    prompt: str,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    num_samples: int = 1,
-    seed: int | None = None,
-) -> list[str]:
+def generate_text(model: GPT, tokenizer: Any, prompt: str, max_new_tokens: int, temperature: float = 0.0,
+                  top_k: int | None = None, top_p: float | None = None, num_samples: int = 1,
+                  seed: int | None = None) -> list[str]:
     """Continuations of ``prompt`` (text only, prompt excluded), ending at the tokenizer's EOD.
 
     ``tokenizer`` needs encode/decode/eod_id (megatron_lite.data.tokenizer.Tokenizer). An empty

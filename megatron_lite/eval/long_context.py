@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from megatron_lite import config as config_lib
-from megatron_lite.checkpoint import LoadedModel, load_model, resolve_checkpoint
+from megatron_lite.checkpoint_dirs import resolve_checkpoint
 from megatron_lite.data.tokenizer import Tokenizer
 from megatron_lite.eval.documents import EvalDocuments, load_documents
 from megatron_lite.eval.passkey import NUM_NEW_TOKENS, PasskeyPromptBuilder, run_passkey, summarize_cases
@@ -31,6 +31,7 @@ from megatron_lite.eval.report import write_reports
 from megatron_lite.eval.results_cache import ResultCache, checkpoint_fingerprint, fingerprint
 from megatron_lite.eval.scaling import NO_SCALING, ScalingSpec
 from megatron_lite.model.gpt import DTYPES, GPT
+from megatron_lite.weights import LoadedModel, load_model
 
 DEFAULT_WINDOWS = [512 * 2**i for i in range(7)]  # 512 ... 32K
 
@@ -103,18 +104,16 @@ def parse_checkpoint_arg(text: str) -> tuple[str, Path]:
     return name, path
 
 
-def scheme_label(config: config_lib.Config) -> str:
-    position = config.model.position
-    return f"coca {position.constraint}" if position.scheme == "coca" else position.scheme
-
-
 @dataclass(frozen=True)
 class AttentionChoice:
+    """The kernel an evaluation runs with, and why (logged once per model)."""
+
     backend: str
     chunk_size: int
     reason: str
 
-    def describe(self) -> str:
+    @property
+    def description(self) -> str:
         chunk = f", chunk size {self.chunk_size}" if self.backend == "chunked" else ""
         return f"attention backend {self.backend}{chunk} ({self.reason})"
 
@@ -209,9 +208,9 @@ class LongContextEvaluation:
                                             settings.device)
             entry.model = with_attention(entry.loaded, entry.choice)
             entry.loaded.model = entry.model  # drop the first build, if rebuilt: one copy of the weights
-            self.log(f"{entry.name}: {scheme_label(entry.loaded.config)}, trained on "
+            self.log(f"{entry.name}: {entry.loaded.config.model.position.label}, trained on "
                      f"{entry.loaded.config.model.seq_length} tokens, from {entry.loaded.source}; "
-                     f"{entry.choice.describe()}")
+                     f"{entry.choice.description}")
         tokenizer_path = settings.tokenizer or entry.loaded.tokenizer_path
         if tokenizer_path is None:
             raise ValueError(f"--checkpoints {entry.path}: no tokenizer.model in the checkpoint; pass --tokenizer")
@@ -228,7 +227,7 @@ class LongContextEvaluation:
             self.load(entry)
             assert entry.loaded is not None
             config = entry.loaded.config
-            entry.info = {"scheme": scheme_label(config), "train_length": config.model.seq_length,
+            entry.info = {"scheme": config.model.position.label, "train_length": config.model.seq_length,
                           "rotary": config.model.uses_rotary, "max_length": max_supported_length(config),
                           "source": str(entry.loaded.source)}
         return entry.info

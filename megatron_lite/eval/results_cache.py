@@ -7,18 +7,17 @@ fingerprint) is recomputed and overwritten.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatron_lite.checkpoint import write_text_atomic
+from megatron_lite.files import json_sha256, write_text_atomic
 
 
 def fingerprint(settings: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return json_sha256(settings, default=str)[:16]
 
 
 def checkpoint_fingerprint(directory: Path) -> dict[str, Any]:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lite.config import RopeScalingConfig
-
-SCALING_TYPES = ("linear", "ntk", "dynamic", "yarn")
+from megatron_lite.config import SCALING_TYPES, RopeScalingConfig
 
 
 @dataclass(frozen=True)

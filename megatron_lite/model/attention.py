@@ -17,11 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import BACKENDS, ModelConfig
 from megatron_lite.model.kv_cache import LayerCache
 from megatron_lite.model.position import PositionContext, PositionScheme
-
-BACKENDS = ("sdpa", "flash", "chunked", "reference")
 
 
 def causal_allowed(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
@@ -63,45 +61,22 @@ def sdpa_attention(
     return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask, scale=scale, dropout_p=dropout_p)
 
 
-def chunked_attention(
-    q_BHTD: torch.Tensor,
-    k_BHSD: torch.Tensor,
-    v_BHSD: torch.Tensor,
-    q_positions: torch.Tensor,
-    k_positions: torch.Tensor,
-    slopes_H: torch.Tensor | None,
-    scale: float,
-    chunk_size: int,
-    dropout_p: float = 0.0,
-) -> torch.Tensor:
+def chunked_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, q_positions: torch.Tensor,
+                      k_positions: torch.Tensor, slopes_H: torch.Tensor | None, scale: float, chunk_size: int,
+                      dropout_p: float = 0.0) -> torch.Tensor:
     """Query blocks; each attends only to keys up to its last position (positions ascending)."""
     outputs = []
     for start in range(0, q_BHTD.shape[-2], chunk_size):
-        block_positions = q_positions[start : start + chunk_size]
-        num_visible = int(torch.searchsorted(k_positions, block_positions[-1], right=True))
-        outputs.append(
-            sdpa_attention(
-                q_BHTD[:, :, start : start + chunk_size],
-                k_BHSD[:, :, :num_visible],
-                v_BHSD[:, :, :num_visible],
-                block_positions,
-                k_positions[:num_visible],
-                slopes_H,
-                scale,
-                dropout_p,
-            )
-        )
+        block = slice(start, start + chunk_size)
+        num_visible = int(torch.searchsorted(k_positions, q_positions[block][-1], right=True))
+        visible = slice(0, num_visible)
+        outputs.append(sdpa_attention(q_BHTD[:, :, block], k_BHSD[:, :, visible], v_BHSD[:, :, visible],
+                                      q_positions[block], k_positions[visible], slopes_H, scale, dropout_p))
     return torch.cat(outputs, dim=-2)
 
 
-def flash_attention(
-    q_BHTD: torch.Tensor,
-    k_BHSD: torch.Tensor,
-    v_BHSD: torch.Tensor,
-    slopes_H: torch.Tensor | None,
-    scale: float,
-    dropout_p: float = 0.0,
-) -> torch.Tensor:
+def flash_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, slopes_H: torch.Tensor | None,
+                    scale: float, dropout_p: float = 0.0) -> torch.Tensor:
     """flash-attn 2: causal is bottom-right aligned, which matches contiguous cache positions."""
     from flash_attn import flash_attn_func
 

@@ -42,7 +42,8 @@ class LayerCache:
 
 
 class KVCache:
-    """One LayerCache per block; ``rope_length`` fixes the dynamic-NTK base for the whole generation."""
+    """One LayerCache per block; ``max_length`` also fixes the dynamic-NTK base for the whole generation
+    (``GPT.forward`` uses it as ``rope_length`` when none is given)."""
 
     def __init__(self, num_layers: int, max_length: int) -> None:
         self.max_length = max_length

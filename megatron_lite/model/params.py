@@ -46,7 +46,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for path in args.configs:
         model = config_lib.load(path).model
-        scheme = model.position.scheme + (f" ({model.position.constraint})" if model.position.scheme == "coca" else "")
+        scheme = model.position.label
         analytic, counted = analytic_parameter_count(model), counted_parameter_count(model)
         print(f"| {path} | {scheme} | {model.num_layers} | {model.hidden_size} | {model.num_attention_heads} | "
               f"{model.padded_vocab_size} | {analytic:,} | {counted:,} |")

@@ -198,12 +198,16 @@ class RoPE(PositionScheme):
         return apply_rotary(k_BHTD, tables)
 
 
-class CoCASlack(PositionScheme):
-    """Paper Eq. 11, score(m, n) = (q_m * R_m q_m) . (R_n t_n)."""
+class _CoCA(PositionScheme):
+    """Both CoCA variants: queries and keys are rewritten over the first ``rotary_dims`` of a head."""
 
     def __init__(self, rotary_dims: int) -> None:
         super().__init__()
         self.rotary_dims = rotary_dims
+
+
+class CoCASlack(_CoCA):
+    """Paper Eq. 11, score(m, n) = (q_m * R_m q_m) . (R_n t_n)."""
 
     def transform_query(self, q_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
         assert tables is not None
@@ -228,12 +232,8 @@ class CoCASlack(PositionScheme):
         return opt_einsum.contract("bhmd,bhnd,bhmd->bhmn", q_BHTD, t_rotated, q_rotated, backend="torch")
 
 
-class CoCAStrict(PositionScheme):
+class CoCAStrict(_CoCA):
     """Paper Eq. 10 via Eq. 18: score(m, n) = sum_j c_{n,j} |q_{m,j}|^2 cos((m - n) theta_j)."""
-
-    def __init__(self, rotary_dims: int) -> None:
-        super().__init__()
-        self.rotary_dims = rotary_dims
 
     def transform_query(self, q_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
         assert tables is not None
@@ -288,4 +288,4 @@ def build_rotary(config: ModelConfig) -> RotaryEmbedding | None:
     if not config.uses_rotary:
         return None
     position = config.position
-    return RotaryEmbedding(config.rotary_dims, position.rotary_emb_base, position.scaling, config.seq_length)
+    return RotaryEmbedding(config.rotary_dims, position.rotary_emb_base, position.scaling, config.rotary_train_length)

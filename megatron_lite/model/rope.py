@@ -67,13 +67,14 @@ class RotaryTables:
 
 
 class RotaryEmbedding:
-    """Frequencies for one model: base, rotary dims, scaling, training length."""
+    """Frequencies for one model: base, rotary dims, scaling, and the training length the scaling is
+    relative to (``ModelConfig.rotary_train_length``)."""
 
     def __init__(self, rotary_dims: int, base: float, scaling: RopeScalingConfig, train_length: int) -> None:
         self.rotary_dims = rotary_dims
         self.base = base
         self.scaling = scaling
-        self.train_length = scaling.original_max_position_embeddings or train_length
+        self.train_length = train_length
 
     def inv_freq(self, seq_len: int) -> tuple[torch.Tensor, float]:
         """Inverse frequencies (float64, (r/2,)) and attention factor for a sequence of seq_len tokens.

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from megatron_lite import checkpoint as layout
+from megatron_lite.files import write_text_atomic
 from megatron_lite.repro.settings import (ReproSettings, absolute, load_scheme_configs, log, planned_train_iters,
                                           run_dir, validate_settings, write_mix)
 from megatron_lite.repro.training import train_scheme
@@ -86,7 +86,7 @@ class PhaseClock:
             self.current[name] = round(self.current.get(name, 0.0) + seconds, 1)
             log(self.settings, f"phase {name}: {seconds:,.1f} s")
             self.history_path.parent.mkdir(parents=True, exist_ok=True)
-            layout.write_text_atomic(self.history_path, json.dumps(self.history, indent=1) + "\n")
+            write_text_atomic(self.history_path, json.dumps(self.history, indent=1) + "\n")
 
     def all_invocations(self) -> dict[str, float]:
         totals: dict[str, float] = {}
@@ -122,7 +122,7 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
         from megatron_lite.data.preprocess import prepare_data
 
         write_mix(settings)
-        prepare_data(first, progress=settings.progress)
+        prepare_data(first.data, first.model.vocab_size, progress=settings.progress)
     training: dict[str, dict[str, Any]] = {}
     for scheme in settings.schemes:
         with clock.phase(f"train {scheme}"):

@@ -14,7 +14,6 @@ from typing import Any
 
 from megatron_lite.eval.report import format_ppl, markdown_table, plot_passkey_heatmap, plot_perplexity
 
-SCHEME_LABELS = {"alibi": "ALiBi", "rope": "RoPE", "coca_slack": "CoCA (slack)", "coca_strict": "CoCA (strict)"}
 PAPER_TABLE_1 = """Paper, Table 1 (350M models trained on 512 tokens, PG-19, columns 512 ... 32K = 1x ... 64x):
 
 | model | 512 | 1024 | 2048 | 4096 | 8192 | 16K | 32K |
@@ -35,16 +34,20 @@ def scaling_name(factor: float) -> str:
     return f"dynamic:{factor:g}"
 
 
-def row_label(scheme: str, scaling: str) -> str:
-    label = SCHEME_LABELS.get(scheme, scheme)
+def row_label(label: str, scaling: str) -> str:
     if scaling == "none":
         return label
     kind, _, factor = scaling.partition(":")
     return f"{label} + {'dynamic NTK' if kind == 'dynamic' else kind} (x{factor})"
 
 
-def is_rotary(scheme: str) -> bool:
-    return scheme != "alibi"
+def display_names(results: dict[str, Any]) -> dict[str, str]:
+    """Model (run) name -> the scheme's display name, as training_summary recorded it."""
+    return {name: info["display_name"] for name, info in results["training"].items()}
+
+
+def rotary_models(results: dict[str, Any]) -> list[str]:
+    return [name for name, info in results["training"].items() if info["rotary"]]
 
 
 def assemble_results(evaluations: dict[str, dict[str, Any]], training: dict[str, dict[str, Any]], train_length: int,
@@ -63,7 +66,7 @@ def assemble_results(evaluations: dict[str, dict[str, Any]], training: dict[str,
     return results
 
 
-def _grid(rows: Sequence[dict[str, Any]], column: str, keys: Sequence[Key],
+def _grid(rows: Sequence[dict[str, Any]], column: str, keys: Sequence[Key], labels: dict[str, str],
           format_cell: Callable[[dict[str, Any]], str], train_length: int) -> str:
     columns = sorted({row[column] for row in rows})
     by_key = {(row["model"], row["scaling"], row[column]): row for row in rows}
@@ -72,21 +75,21 @@ def _grid(rows: Sequence[dict[str, Any]], column: str, keys: Sequence[Key],
     for scheme, scaling in keys:
         cells = [by_key.get((scheme, scaling, value)) for value in columns]
         if any(cell is not None for cell in cells):
-            body.append([row_label(scheme, scaling), *["–" if cell is None else format_cell(cell) for cell in cells]])
+            body.append([row_label(labels[scheme], scaling), *["–" if cell is None else format_cell(cell) for cell in cells]])
     return markdown_table(header, body)
 
 
-def headline_keys(schemes: Sequence[str], headline_factor: float | None) -> list[Key]:
+def headline_keys(schemes: Sequence[str], rotary: Sequence[str], headline_factor: float | None) -> list[Key]:
     keys: list[Key] = []
     for scheme in schemes:
         keys.append((scheme, "none"))
-        if is_rotary(scheme) and headline_factor is not None:
+        if scheme in rotary and headline_factor is not None:
             keys.append((scheme, scaling_name(headline_factor)))
     return keys
 
 
-def sweep_keys(schemes: Sequence[str], scalings: Sequence[str]) -> list[Key]:
-    return [(scheme, scaling) for scheme in schemes if is_rotary(scheme) for scaling in scalings]
+def sweep_keys(rotary: Sequence[str], scalings: Sequence[str]) -> list[Key]:
+    return [(scheme, scaling) for scheme in rotary for scaling in scalings]
 
 
 def _ppl_cell(row: dict[str, Any]) -> str:
@@ -108,7 +111,7 @@ def training_table(results: dict[str, Any]) -> str:
     def number(value: float | None, digits: int = 3) -> str:
         return "–" if value is None else f"{value:.{digits}f}"
 
-    body = [[SCHEME_LABELS.get(scheme, scheme), f"{info['parameters']:,}", f"{info['steps']:,}", f"{info['tokens']:,}",
+    body = [[info["display_name"], f"{info['parameters']:,}", f"{info['steps']:,}", f"{info['tokens']:,}",
              number(info["final_train_loss"]), number(info["final_val_loss"]), number(info["final_val_ppl"], 2),
              info["action"]] for scheme, info in results["training"].items()]
     return markdown_table(["model", "parameters", "steps", "training tokens", "last train loss", "val loss", "val ppl",
@@ -127,8 +130,9 @@ def tables_markdown(results: dict[str, Any], headline_factor: float | None) -> s
     scalings = ["none", *(scaling_name(factor) for factor in settings["ntk_factors"])]
     headline = headline_factor if settings["ntk_factors"] else None
     train_length, perplexity, passkey = results["train_length"], results["perplexity"], results["passkey"]
-    headline_rows = headline_keys(schemes, headline)
-    parts = [f"# Tiny CoCA reproduction: {', '.join(SCHEME_LABELS[s] for s in schemes)}\n\n"
+    labels, rotary = display_names(results), rotary_models(results)
+    headline_rows = headline_keys(schemes, rotary, headline)
+    parts = [f"# Tiny CoCA reproduction: {', '.join(labels.values())}\n\n"
              f"Trained on {train_length} tokens for {results['train_iters']:,} steps; columns give tokens and (x) "
              "multiples of the training length. Dynamic NTK rows of Tables 1-2: "
              f"{'factor ' + format(headline, 'g') if headline is not None else 'none'}.\n\n"
@@ -138,20 +142,20 @@ def tables_markdown(results: dict[str, Any], headline_factor: float | None) -> s
         parts.append(f"## Table 1: sliding-window perplexity on {settings['eval_books']}\n\n"
                      f"Stride {results['stride']}; {documents.get('used')} books truncated to "
                      f"{settings['max_doc_tokens']:,} tokens ({documents.get('skipped_short')} shorter ones skipped)."
-                     "\n\n" + _grid(perplexity, "window", headline_rows, _ppl_cell, train_length))
+                     "\n\n" + _grid(perplexity, "window", headline_rows, labels, _ppl_cell, train_length))
     if passkey:
         parts.append(f"## Table 2: passkey retrieval accuracy\n\n{settings['passkey_cases']} cases per length (keys "
                      "and depths drawn once per length, the same for every model).\n\n"
-                     + _grid(passkey, "length", headline_rows, _accuracy_cell, train_length)
+                     + _grid(passkey, "length", headline_rows, labels, _accuracy_cell, train_length)
                      + "\n\nBy passkey distance (accuracy when the key lies inside / outside the training window "
                        "of the question; – no such case):\n\n"
-                     + _grid(passkey, "length", headline_rows, _distance_cell, train_length))
-    if len(scalings) > 1 and any(is_rotary(scheme) for scheme in schemes):
-        sweep = sweep_keys(schemes, scalings)
+                     + _grid(passkey, "length", headline_rows, labels, _distance_cell, train_length))
+    if len(scalings) > 1 and rotary:
+        sweep = sweep_keys(rotary, scalings)
         part = "## Table 3: dynamic NTK scaling factor\n\nPerplexity:\n\n" + _grid(
-            perplexity, "window", sweep, _ppl_cell, train_length)
+            perplexity, "window", sweep, labels, _ppl_cell, train_length)
         if passkey:
-            part += "\n\nPasskey accuracy:\n\n" + _grid(passkey, "length", sweep, _accuracy_cell, train_length)
+            part += "\n\nPasskey accuracy:\n\n" + _grid(passkey, "length", sweep, labels, _accuracy_cell, train_length)
         parts.append(part)
     parts.append("## Wall time\n\n" + wall_time_table(results))
     parts.append("## For comparison\n\n" + PAPER_TABLE_1)
@@ -161,13 +165,13 @@ def tables_markdown(results: dict[str, Any], headline_factor: float | None) -> s
 def write_plots(results: dict[str, Any], passkey_cases: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
     """perplexity_vs_window.png (Table 1 rows), perplexity_ntk_factors.png (Table 3 rows), passkey_heatmap.png."""
     written: list[Path] = []
-    schemes = list(results["training"])
+    schemes, rotary = list(results["training"]), rotary_models(results)
     factors = results["settings"]["ntk_factors"]
     headline = results["settings"]["headline_ntk_factor"] if factors else None
-    groups = [("perplexity_vs_window.png", set(headline_keys(schemes, headline)))]
-    if factors and any(is_rotary(scheme) for scheme in schemes):
+    groups = [("perplexity_vs_window.png", set(headline_keys(schemes, rotary, headline)))]
+    if factors and rotary:
         groups.append(("perplexity_ntk_factors.png",
-                       set(sweep_keys(schemes, ["none", *(scaling_name(f) for f in factors)]))))
+                       set(sweep_keys(rotary, ["none", *(scaling_name(f) for f in factors)]))))
     for name, keys in groups:
         rows = [row for row in results["perplexity"] if (row["model"], row["scaling"]) in keys]
         if rows:

@@ -15,10 +15,9 @@ from typing import Any
 
 import yaml
 
-from megatron_lite import checkpoint as layout
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
-from megatron_lite.data.tokenizer import file_sha256
+from megatron_lite.files import file_sha256, write_text_atomic
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMES = ("alibi", "rope", "coca_slack", "coca_strict")
@@ -195,7 +194,7 @@ def write_mix(settings: ReproSettings) -> Path:
     text = yaml.safe_dump(mix_document(settings), sort_keys=False)
     if not path.is_file() or path.read_text() != text:
         path.parent.mkdir(parents=True, exist_ok=True)
-        layout.write_text_atomic(path, text)
+        write_text_atomic(path, text)
     load_mix(path)  # validates
     return path
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_lite import checkpoint as layout
+from megatron_lite import checkpoint_dirs
 from megatron_lite.config import Config
 from megatron_lite.repro.settings import REPO_ROOT, ReproSettings, all_overrides, config_path, log, run_dir
 
@@ -28,10 +28,10 @@ class TrainingStatus:
 
 
 def training_status(directory: Path, train_iters: int) -> TrainingStatus:
-    latest = layout.latest_complete(directory / layout.CHECKPOINTS_DIR)
+    latest = checkpoint_dirs.latest_complete(directory / checkpoint_dirs.CHECKPOINTS_DIR)
     if latest is None:
         return TrainingStatus(0, None, False)
-    step = int(layout.read_complete_marker(latest)["step"])
+    step = int(checkpoint_dirs.read_complete_marker(latest)["step"])
     return TrainingStatus(step, latest, step == train_iters)
 
 
@@ -93,7 +93,8 @@ def training_summary(directory: Path, config: Config, action: str) -> dict[str, 
     validation = [row for row in rows if row.get("val_loss") is not None]
     train = config.train
     tokens_per_step = train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * config.model.seq_length
-    return {"action": action, "steps": status.step, "tokens": status.step * tokens_per_step,
+    return {"action": action, "display_name": config.model.position.display_name,
+            "rotary": config.model.uses_rotary, "steps": status.step, "tokens": status.step * tokens_per_step,
             "parameters": counted_parameter_count(config.model),
             "final_train_loss": losses[-1]["loss"] if losses else None,
             "final_val_loss": validation[-1]["val_loss"] if validation else None,

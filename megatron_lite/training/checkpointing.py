@@ -1,4 +1,4 @@
-"""Saving and resuming training checkpoints (layout: megatron_lite/checkpoint.py).
+"""Saving and resuming training checkpoints (their directories: megatron_lite/checkpoint_dirs.py).
 
 A checkpoint counts only once it is complete: every rank writes its DeepSpeed files and its RNG
 state, all ranks meet, then rank 0 writes the COMPLETE marker and only then flips ``latest``. A
@@ -12,17 +12,19 @@ import os
 import shutil
 import signal
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_lite import checkpoint as layout
+from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
+from megatron_lite.console import notice
+from megatron_lite.files import write_text_atomic
 from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, barrier
+from megatron_lite.weights import expected_shapes
 
 # Keys whose change on resume is allowed (with a warning): they do not change tensor shapes.
 SCHEDULE_KEYS = ("train_iters", "train_epochs", "lr", "min_lr", "warmup", "warmup_start_lr", "lr_decay_style")
@@ -59,8 +61,8 @@ def _rng_state() -> dict[str, torch.Tensor]:
 def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Config, tokenizer_path: Path | None,
                     dist_info: DistributedInfo, keep_last: int) -> Path | None:
     """Write one complete checkpoint; None (and the previous one intact) if any rank failed."""
-    checkpoints = run_dir / layout.CHECKPOINTS_DIR
-    tag = layout.step_tag(state.step)
+    checkpoints = run_dir / checkpoint_dirs.CHECKPOINTS_DIR
+    tag = checkpoint_dirs.step_tag(state.step)
     step_dir = checkpoints / tag
     faults = config.train.fault_injection
     error: Exception | None = None
@@ -78,21 +80,21 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Co
     if failures:
         if dist_info.is_main:
             shutil.rmtree(step_dir, ignore_errors=True)
-            previous = layout.latest_complete(checkpoints)
-            warnings.warn(f"checkpoint at step {state.step} failed on {int(failures)} rank(s)"
-                          f"{f' ({error})' if error else ''}; the last complete checkpoint is "
-                          f"{previous if previous else 'none'}", stacklevel=2)
+            previous = checkpoint_dirs.latest_complete(checkpoints)
+            notice(f"checkpoint at step {state.step} failed on {int(failures)} rank(s)"
+                   f"{f' ({error})' if error else ''}; the last complete checkpoint is "
+                   f"{previous if previous else 'none'}")
         barrier()
         return None
     if dist_info.is_main:
-        config_lib.save(config, step_dir / layout.CONFIG_FILE)
+        config_lib.save(config, step_dir / checkpoint_dirs.CONFIG_FILE)
         if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, step_dir / layout.TOKENIZER_FILE)
+            shutil.copyfile(tokenizer_path, step_dir / checkpoint_dirs.TOKENIZER_FILE)
         marker = {**state.__dict__, "world_size": dist_info.world_size, "zero_stage": config.train.zero_stage,
                   "precision": config.precision, "seconds": round(time.perf_counter() - started, 3)}
-        layout.write_text_atomic(step_dir / layout.COMPLETE_MARKER, json.dumps(marker, indent=2) + "\n")
-        layout.write_text_atomic(checkpoints / layout.LATEST_FILE, tag + "\n")
-        for old in layout.complete_checkpoints(checkpoints)[:-keep_last]:
+        write_text_atomic(step_dir / checkpoint_dirs.COMPLETE_MARKER, json.dumps(marker, indent=2) + "\n")
+        write_text_atomic(checkpoints / checkpoint_dirs.LATEST_FILE, tag + "\n")
+        for old in checkpoint_dirs.complete_checkpoints(checkpoints)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return step_dir
@@ -103,17 +105,18 @@ def find_resume_checkpoint(resume: str, run_dir: Path) -> Path | None:
     if resume == "none":
         return None
     if resume == "auto":
-        return layout.latest_complete(run_dir / layout.CHECKPOINTS_DIR)
-    step_dir = layout.resolve_checkpoint(resume)
-    if not layout.is_complete(step_dir):
-        raise ValueError(f"--resume {resume}: {step_dir} is not a complete checkpoint (no {layout.COMPLETE_MARKER})")
+        return checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
+    step_dir = checkpoint_dirs.resolve_checkpoint(resume)
+    if not checkpoint_dirs.is_complete(step_dir):
+        raise ValueError(f"--resume {resume}: {step_dir} is not a complete checkpoint "
+                         f"(no {checkpoint_dirs.COMPLETE_MARKER})")
     return step_dir
 
 
 def check_resume_compatible(step_dir: Path, config: Config) -> None:
-    """ValueError listing every tensor whose shape differs; warnings for schedule changes."""
-    saved = config_lib.load(step_dir / layout.CONFIG_FILE)
-    old, new = layout.expected_shapes(saved.model), layout.expected_shapes(config.model)
+    """ValueError listing every tensor whose shape differs; notices for schedule changes."""
+    saved = config_lib.load(step_dir / checkpoint_dirs.CONFIG_FILE)
+    old, new = expected_shapes(saved.model), expected_shapes(config.model)
     names = list(new) + [name for name in old if name not in new]  # model order: embed_in first
     problems = [f"{name}: checkpoint {old.get(name)} vs config {new.get(name)}"
                 for name in names if old.get(name) != new.get(name)]
@@ -121,16 +124,15 @@ def check_resume_compatible(step_dir: Path, config: Config) -> None:
         raise ValueError(f"cannot resume from {step_dir}: model shape differs from the config "
                          f"({len(problems)} tensors): " + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
     if saved.model.position != config.model.position:
-        warnings.warn(f"resuming {step_dir} with a different model.position: {saved.model.position} -> "
-                      f"{config.model.position}", stacklevel=2)
+        notice(f"resuming {step_dir} with a different model.position: {saved.model.position} -> "
+               f"{config.model.position}")
     for key in SCHEDULE_KEYS:
         before, after = getattr(saved.train, key), getattr(config.train, key)
         if before != after:
-            warnings.warn(f"resuming with train.{key} changed from {before} to {after}; the schedule follows the new value",
-                          stacklevel=2)
+            notice(f"resuming with train.{key} changed from {before} to {after}; the schedule follows the new value")
 
 
-def load_checkpoint(engine: Any, step_dir: Path, dist_info: DistributedInfo) -> TrainingState:
+def load_training_state(engine: Any, step_dir: Path, dist_info: DistributedInfo) -> TrainingState:
     """Model, optimizer, counters and this rank's RNG state from a complete checkpoint."""
     path, client_state = engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name, load_optimizer_states=True,
                                                 load_lr_scheduler_states=False)
@@ -143,6 +145,8 @@ def load_checkpoint(engine: Any, step_dir: Path, dist_info: DistributedInfo) -> 
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
-    else:
-        warnings.warn(f"{rng_file.name} missing (different world size?): RNG streams restart", stacklevel=2)
+    missing = all_reduce_sum([0.0 if rng_file.is_file() else 1.0], dist_info.device)[0]
+    if missing and dist_info.is_main:  # counted over ranks: notices print on rank 0 only
+        notice(f"{step_dir}: no RNG state for {int(missing)} of {dist_info.world_size} rank(s) (saved with another "
+               "world size?): their RNG streams restart")
     return state

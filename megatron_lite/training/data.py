@@ -9,10 +9,11 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader
 
-from megatron_lite.config import Config
+from megatron_lite.config import Config, MixConfig
 from megatron_lite.data.loader import build_train_valid_datasets
 from megatron_lite.data.manifest import Manifest, load_manifest
-from megatron_lite.training.deepspeed_config import batch_layout
+from megatron_lite.data.mix import load_mix
+from megatron_lite.training.deepspeed_config import BatchSizes
 from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, barrier
 
 
@@ -22,31 +23,34 @@ class TrainingData:
     total_steps: int
     steps_source: str  # how total_steps was chosen, for the log
     tokenizer_path: Path
+    mix: MixConfig  # data.mix, parsed once per process
 
-    def loaders(self, config: Config, dist_info: DistributedInfo, consumed_samples: int
+    def loaders(self, config: Config, batch: BatchSizes, dist_info: DistributedInfo, consumed_samples: int
                 ) -> tuple[DataLoader, DataLoader | None]:
         """This rank's training stream from ``consumed_samples`` and its validation stream."""
-        layout = batch_layout(config, dist_info.world_size)
         train = config.train
-        num_valid = train.eval_iters * layout.micro_batch_size * dist_info.world_size if train.eval_interval else 0
+        num_valid = train.eval_iters * batch.micro_batch_size * dist_info.world_size if train.eval_interval else 0
         train_set, valid_set = build_train_valid_datasets(
-            config, self.manifest, self.total_steps * layout.global_batch_size, num_valid,
-            rank=dist_info.rank, world_size=dist_info.world_size, consumed_samples=consumed_samples)
-        train_loader = DataLoader(train_set, batch_size=layout.micro_batch_size, shuffle=False, drop_last=True,
+            config.data, config.model.seq_length, self.manifest, self.total_steps * batch.global_batch_size, num_valid,
+            rank=dist_info.rank, world_size=dist_info.world_size, consumed_samples=consumed_samples, mix=self.mix)
+        train_loader = DataLoader(train_set, batch_size=batch.micro_batch_size, shuffle=False, drop_last=True,
                                   num_workers=train.num_workers, persistent_workers=False)
-        valid_loader = None if valid_set is None else DataLoader(valid_set, batch_size=layout.micro_batch_size,
+        valid_loader = None if valid_set is None else DataLoader(valid_set, batch_size=batch.micro_batch_size,
                                                                  shuffle=False, drop_last=True)
         return train_loader, valid_loader
 
 
-def _prepare_on_rank0(config: Config, dist_info: DistributedInfo) -> None:
-    """Rank 0 tokenises (cached after the first run); every rank learns whether it worked."""
+def _prepare_on_rank0(config: Config, dist_info: DistributedInfo) -> MixConfig:
+    """Rank 0 parses the mix and tokenises (cached after the first run); every rank learns whether it
+    worked; returns the mix (the other ranks parse it once preparation succeeded)."""
     from megatron_lite.data.preprocess import prepare_data
 
     error: Exception | None = None
+    mix: MixConfig | None = None
     if dist_info.is_main:
         try:
-            prepare_data(config)
+            mix = load_mix(config.data.mix)
+            prepare_data(config.data, config.model.vocab_size, mix=mix)
         except (ValueError, OSError) as caught:
             error = caught
     failed = all_reduce_sum([1.0 if error is not None else 0.0], dist_info.device)[0]
@@ -55,9 +59,10 @@ def _prepare_on_rank0(config: Config, dist_info: DistributedInfo) -> None:
     if failed:
         raise ValueError("data preparation failed on rank 0 (see its message)")
     barrier()
+    return mix if mix is not None else load_mix(config.data.mix)
 
 
-def total_steps_for(config: Config, manifest: Manifest, world_size: int, train_iters: int | None) -> tuple[int, str]:
+def total_steps_for(config: Config, manifest: Manifest, batch: BatchSizes, train_iters: int | None) -> tuple[int, str]:
     """--train-iters, else train.train_iters, else train.train_epochs over the mix's training tokens."""
     if train_iters is not None:
         if train_iters <= 0:
@@ -66,17 +71,18 @@ def total_steps_for(config: Config, manifest: Manifest, world_size: int, train_i
     if config.train.train_iters is not None:
         return config.train.train_iters, "train.train_iters"
     tokens = sum(record.tokens for record in manifest.sources.values()) * (1.0 - config.data.validation_fraction)
-    tokens_per_step = batch_layout(config, world_size).global_batch_size * config.model.seq_length
+    tokens_per_step = batch.global_batch_size * config.model.seq_length
     steps = max(1, math.ceil(config.train.train_epochs * tokens / tokens_per_step))
     return steps, f"train.train_epochs={config.train.train_epochs} over {tokens:,.0f} training tokens"
 
 
-def prepare_training_data(config: Config, dist_info: DistributedInfo, train_iters: int | None) -> TrainingData:
-    _prepare_on_rank0(config, dist_info)
+def prepare_training_data(config: Config, batch: BatchSizes, dist_info: DistributedInfo, train_iters: int | None
+                          ) -> TrainingData:
+    mix = _prepare_on_rank0(config, dist_info)
     manifest = load_manifest(config.data.cache_dir)
     vocab = manifest.tokenizer.vocab_size
     if vocab > config.model.padded_vocab_size:
         raise ValueError(f"model.vocab_size={config.model.vocab_size} (padded {config.model.padded_vocab_size}) is "
                          f"smaller than the tokenizer's {vocab} pieces ({config.data.cache_dir}/{manifest.tokenizer.path})")
-    steps, source = total_steps_for(config, manifest, dist_info.world_size, train_iters)
-    return TrainingData(manifest, steps, source, Path(config.data.cache_dir) / manifest.tokenizer.path)
+    steps, source = total_steps_for(config, manifest, batch, train_iters)
+    return TrainingData(manifest, steps, source, Path(config.data.cache_dir) / manifest.tokenizer.path, mix)

@@ -10,7 +10,9 @@ from megatron_lite.config import Config
 
 
 @dataclass(frozen=True)
-class BatchLayout:
+class BatchSizes:
+    """The batch triple of a run, resolved once against the world size (``resolve_batch_sizes``)."""
+
     micro_batch_size: int  # samples per rank per forward/backward
     gradient_accumulation_steps: int
     data_parallel_size: int
@@ -20,17 +22,17 @@ class BatchLayout:
         return self.micro_batch_size * self.gradient_accumulation_steps * self.data_parallel_size
 
 
-def batch_layout(config: Config, world_size: int) -> BatchLayout:
+def resolve_batch_sizes(config: Config, world_size: int) -> BatchSizes:
     """micro x accumulation x ranks must equal train_batch_size when that is set; ValueError names all three."""
     train = config.train
-    layout = BatchLayout(train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps, world_size)
-    if train.train_batch_size is not None and train.train_batch_size != layout.global_batch_size:
+    batch = BatchSizes(train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps, world_size)
+    if train.train_batch_size is not None and train.train_batch_size != batch.global_batch_size:
         raise ValueError(
             f"train.train_batch_size={train.train_batch_size} != train.train_micro_batch_size_per_gpu="
-            f"{layout.micro_batch_size} x train.gradient_accumulation_steps={layout.gradient_accumulation_steps} x "
-            f"{world_size} data-parallel ranks = {layout.global_batch_size}"
+            f"{batch.micro_batch_size} x train.gradient_accumulation_steps={batch.gradient_accumulation_steps} x "
+            f"{world_size} data-parallel ranks = {batch.global_batch_size}"
         )
-    return layout
+    return batch
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -44,14 +46,13 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def deepspeed_config(config: Config, world_size: int) -> dict[str, Any]:
+def deepspeed_config(config: Config, batch: BatchSizes) -> dict[str, Any]:
     """The dict handed to ``deepspeed.initialize``; ``train.deepspeed`` is merged in last."""
     train = config.train
-    layout = batch_layout(config, world_size)
     generated: dict[str, Any] = {
-        "train_batch_size": layout.global_batch_size,
-        "train_micro_batch_size_per_gpu": layout.micro_batch_size,
-        "gradient_accumulation_steps": layout.gradient_accumulation_steps,
+        "train_batch_size": batch.global_batch_size,
+        "train_micro_batch_size_per_gpu": batch.micro_batch_size,
+        "gradient_accumulation_steps": batch.gradient_accumulation_steps,
         "gradient_clipping": train.gradient_clipping,
         "zero_optimization": {"stage": train.zero_stage},
         # our AdamW (weight-decay groups, skippable step) is passed as the client optimizer

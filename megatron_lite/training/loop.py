@@ -17,20 +17,22 @@ from typing import Any, Iterator
 import torch
 from torch.utils.data import DataLoader
 
-from megatron_lite import checkpoint as layout
+from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
+from megatron_lite.console import console
 from megatron_lite.model import GPT, language_model_loss
 from megatron_lite.model.params import counted_parameter_count
 from megatron_lite.training import metrics as metrics_lib
 from megatron_lite.training.checkpointing import (
-    TrainingState, check_resume_compatible, find_resume_checkpoint, load_checkpoint, save_checkpoint,
+    TrainingState, check_resume_compatible, find_resume_checkpoint, load_training_state, save_checkpoint,
 )
 from megatron_lite.training.data import prepare_training_data
-from megatron_lite.training.deepspeed_config import batch_layout, deepspeed_config
+from megatron_lite.training.deepspeed_config import deepspeed_config, resolve_batch_sizes
 from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, init_distributed
 from megatron_lite.training.optim import build_optimizer
 from megatron_lite.training.schedule import learning_rate
+from megatron_lite.weights import load_state_dict, load_weights
 
 EXIT_OK = 0
 EXIT_NONFINITE = 3
@@ -41,11 +43,11 @@ class TrainingResult:
     run_dir: Path
     steps: int  # optimizer steps done when the run ended
     total_steps: int
-    first_loss: float | None  # first logged training loss of this process
-    final_loss: float | None  # last logged training loss
+    first_loss: float | None  # the run's first logged training loss (metrics.jsonl, resumes included; rank 0)
+    final_loss: float | None  # its last logged training loss (rank 0)
     val_loss: float | None
     skipped_steps: int
-    stopped_by: str  # "completed" | "signal" | "exit_interval" | "nonfinite"
+    stopped_by: str  # "completed" | "already_complete" | "signal" | "exit_interval" | "nonfinite"
     last_checkpoint: Path | None
 
     @property
@@ -143,46 +145,51 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
     import deepspeed
 
     dist_info = init_distributed()
-    layout_ = batch_layout(config, dist_info.world_size)  # ValueError before any work
+    batch_sizes = resolve_batch_sizes(config, dist_info.world_size)  # ValueError before any work
     run_dir.mkdir(parents=True, exist_ok=True)
-    data = prepare_training_data(config, dist_info, train_iters)
+    data = prepare_training_data(config, batch_sizes, dist_info, train_iters)
     config.train.train_iters = data.total_steps  # resolved, so checkpoints record it
     if dist_info.is_main:
-        config_lib.save(config, run_dir / layout.CONFIG_FILE)
+        config_lib.save(config, run_dir / checkpoint_dirs.CONFIG_FILE)
 
     resume_dir = find_resume_checkpoint(resume, run_dir)
     if resume_dir is not None:
         check_resume_compatible(resume_dir, config)
+        marker = checkpoint_dirs.read_complete_marker(resume_dir)
+        if marker["step"] >= data.total_steps:
+            return _already_complete(run_dir, resume_dir, marker, data.total_steps, dist_info)
     torch.manual_seed(config.seed)
     with torch.device(dist_info.device):
         model = GPT(config.model)  # fp32 master weights; DeepSpeed casts for bf16/fp16
     if resume_dir is None and config.train.init_from:
         _load_initial_weights(model, config)
         if dist_info.is_main:
-            metrics_lib.console(f"initialised weights from {config.train.init_from}")
+            console(f"initialised weights from {config.train.init_from}")
     optimizer = build_optimizer(model, config.train)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                      config=deepspeed_config(config, dist_info.world_size))
+                                      config=deepspeed_config(config, batch_sizes))
     state = TrainingState(total_steps=data.total_steps)
     if resume_dir is not None:
-        state = load_checkpoint(engine, resume_dir, dist_info)
+        state = load_training_state(engine, resume_dir, dist_info)
         state.total_steps = data.total_steps
-    train_loader, valid_loader = data.loaders(config, dist_info, state.consumed_samples)
+    train_loader, valid_loader = data.loaders(config, batch_sizes, dist_info, state.consumed_samples)
 
     logger = metrics_lib.MetricsLogger(config, run_dir, enabled=dist_info.is_main, start_step=state.step)
-    flops_per_step = metrics_lib.model_flops_per_token(config.model) * layout_.global_batch_size * config.model.seq_length
+    tokens_per_step = batch_sizes.global_batch_size * config.model.seq_length
+    flops_per_step = (metrics_lib.model_flops_per_token(config.model) * tokens_per_step
+                      if dist_info.device.type == "cuda" else None)  # TFLOP/s and MFU are GPU figures
     peak = metrics_lib.peak_tflops(config)
     if dist_info.is_main:
-        metrics_lib.console(
-            f"model: {counted_parameter_count(config.model):,} parameters, scheme {config.model.position.scheme}"
-            f"{' ' + config.model.position.constraint if config.model.position.scheme == 'coca' else ''}, "
+        console(
+            f"model: {counted_parameter_count(config.model):,} parameters, scheme {config.model.position.label}, "
             f"precision {config.precision}, ZeRO {config.train.zero_stage}, {dist_info.world_size} rank(s) on "
-            f"{dist_info.device.type}; batch {layout_.global_batch_size} = {layout_.micro_batch_size} x "
-            f"{layout_.gradient_accumulation_steps} x {layout_.data_parallel_size}; {data.total_steps} steps "
+            f"{dist_info.device.type}; batch {batch_sizes.global_batch_size} = {batch_sizes.micro_batch_size} x "
+            f"{batch_sizes.gradient_accumulation_steps} x {batch_sizes.data_parallel_size}; {data.total_steps} steps "
             f"({data.steps_source}); run dir {run_dir}"
             + (f"; resumed from {resume_dir} at step {state.step}" if resume_dir else ""))
+        console(optimizer.groups_summary)
         if logger.dropped_rows:
-            metrics_lib.console(f"metrics.jsonl: dropped {logger.dropped_rows} row(s) logged after step {state.step} "
+            console(f"metrics.jsonl: dropped {logger.dropped_rows} row(s) logged after step {state.step} "
                                 "by the interrupted attempt (those steps are redone)")
 
     result = TrainingResult(run_dir, state.step, data.total_steps, None, None, None, state.skipped_steps, "completed",
@@ -190,7 +197,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
     train = config.train
     injected = set(train.fault_injection.nonfinite_loss_steps)
     consecutive_nonfinite = 0
-    window_loss, window_steps = 0.0, 0
+    losses = metrics_lib.LossWindow(train.log_interval)
     throughput = _Throughput()
     iterator = iter(train_loader)
     progress = _progress_bar(dist_info, state.step, data.total_steps)
@@ -198,19 +205,19 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
         while state.step < data.total_steps:
             lr = learning_rate(state.step, data.total_steps, train)
             _set_learning_rate(optimizer, lr)
-            micro = _micro_batches(iterator, layout_.gradient_accumulation_steps)
+            micro = _micro_batches(iterator, batch_sizes.gradient_accumulation_steps)
             local_loss = train_step(engine, micro, dist_info.device, inject_nonfinite=(state.step + 1) in injected)
             local_finite = float(torch.isfinite(local_loss))
             loss_sum, finite_ranks, stop_ranks = all_reduce_sum(
                 [float(local_loss) if local_finite else 0.0, local_finite, float(stop.signal_name is not None)],
                 dist_info.device)
             skip = finite_ranks < dist_info.world_size
-            log_now = (state.step + 1) % train.log_interval == 0 or state.step == 0
+            log_now = (state.step + 1) % train.log_interval == 0 or state.step == 0 or state.step + 1 == data.total_steps
             own_grad_norm = _grad_norm(engine) if log_now and not skip and _deepspeed_skips_grad_norm(config) else None
             optimizer.skip_next_step = skip
             engine.step()  # the accumulation boundary: optimizer step (or skipped update) + zero grads
             state.step += 1
-            state.consumed_samples += layout_.global_batch_size
+            state.consumed_samples += batch_sizes.global_batch_size
             throughput.steps += 1
             progress.update(1)
             if skip:
@@ -218,12 +225,12 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
                 consecutive_nonfinite += 1
                 logger.log({"step": state.step, "loss": None, "nonfinite_loss": True, "skipped_steps": state.skipped_steps})
                 if dist_info.is_main:
-                    metrics_lib.console(f"step {state.step}: non-finite loss, update skipped "
+                    console(f"step {state.step}: non-finite loss, update skipped "
                                         f"({consecutive_nonfinite} in a row, {state.skipped_steps} in total)")
                 if consecutive_nonfinite >= train.max_consecutive_nonfinite:
-                    last_good = layout.latest_complete(run_dir / layout.CHECKPOINTS_DIR)
+                    last_good = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
                     if dist_info.is_main:
-                        metrics_lib.console(
+                        console(
                             f"stopping: {consecutive_nonfinite} consecutive non-finite losses, the last at step "
                             f"{state.step}; last good checkpoint: {last_good or 'none'} "
                             f"(resume with --resume {last_good} after fixing the cause, e.g. a lower train.lr)")
@@ -231,19 +238,16 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
                     break
             else:
                 consecutive_nonfinite = 0
-                mean_loss = loss_sum / (dist_info.world_size * layout_.gradient_accumulation_steps)
-                window_loss += mean_loss
-                window_steps += 1
-                progress.set_postfix(loss=f"{mean_loss:.3f}", lr=f"{lr:.2e}", refresh=False)
-            if window_steps and log_now:
-                row = _train_row(engine, state, window_loss / window_steps, lr, throughput, flops_per_step, peak,
-                                 layout_.global_batch_size * config.model.seq_length, own_grad_norm)
+                losses.add(state.step, loss_sum / (dist_info.world_size * batch_sizes.gradient_accumulation_steps))
+            shown_loss = losses.mean(state.step)
+            if shown_loss is not None:
+                progress.set_postfix(loss=f"{shown_loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+            if shown_loss is not None and log_now:
+                row = _train_row(engine, state, shown_loss, lr, throughput, flops_per_step, peak,
+                                 tokens_per_step, own_grad_norm)
                 logger.log(row)
                 if dist_info.is_main:
-                    metrics_lib.console(metrics_lib.format_row(row, data.total_steps))
-                result.first_loss = row["loss"] if result.first_loss is None else result.first_loss
-                result.final_loss = row["loss"]
-                window_loss, window_steps = 0.0, 0
+                    console(metrics_lib.format_row(row, data.total_steps))
             last = state.step == data.total_steps
             exit_now = bool(train.exit_interval) and state.step % train.exit_interval == 0 and not last
             stopping = stop_ranks > 0 or exit_now
@@ -256,12 +260,12 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
                                         train.keep_last_checkpoints)
                 result.last_checkpoint = saved or result.last_checkpoint
                 if saved and dist_info.is_main:
-                    metrics_lib.console(f"saved checkpoint {saved}")
+                    console(f"saved checkpoint {saved}")
             throughput.exclude_since(side_work_start)
             if stopping:
                 reason = "train.exit_interval" if exit_now else stop.signal_name or "a signal on another rank"
                 if dist_info.is_main:
-                    metrics_lib.console(f"stopped by {reason} at step {state.step}; resume with --resume auto")
+                    console(f"stopped by {reason} at step {state.step}; resume with --resume auto")
                 result.stopped_by = "exit_interval" if exit_now else "signal"
                 break
     progress.close()
@@ -273,10 +277,23 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
     return result
 
 
+def _already_complete(run_dir: Path, step_dir: Path, marker: dict[str, Any], total_steps: int,
+                      dist_info: DistributedInfo) -> TrainingResult:
+    """Re-invoking a finished run: say so, repeat its summary, train nothing."""
+    result = TrainingResult(run_dir, marker["step"], total_steps, None, None, None, marker.get("skipped_steps", 0),
+                            "already_complete", step_dir)
+    if dist_info.is_main:
+        console(f"already complete at step {marker['step']}/{total_steps} ({step_dir}): nothing to "
+                            "train; raise --train-iters to train further")
+        curve = run_dir / "loss_curve.png"
+        _print_summary(result, run_dir, curve if curve.is_file() else None)
+    return result
+
+
 def _load_initial_weights(model: GPT, config: Config) -> None:
     """train.init_from: weights only; every tensor must match the config."""
-    state, _, _ = layout.load_state_dict(config.train.init_from)
-    layout.load_weights(model, state, f"train.init_from={config.train.init_from}")
+    state, _, _ = load_state_dict(config.train.init_from)
+    load_weights(model, state, f"train.init_from={config.train.init_from}")
 
 
 def _progress_bar(dist_info: DistributedInfo, start: int, total: int) -> Any:
@@ -298,16 +315,17 @@ def _grad_norm(engine: Any) -> float:
 
 
 def _train_row(engine: Any, state: TrainingState, loss: float, lr: float, throughput: _Throughput,
-               flops_per_step: float, peak: float | None, tokens_per_step: int,
+               flops_per_step: float | None, peak: float | None, tokens_per_step: int,
                own_grad_norm: float | None) -> dict[str, Any]:
     elapsed, steps = throughput.take()
     grad_norm = own_grad_norm if own_grad_norm is not None else engine.get_global_grad_norm()
-    tflops = flops_per_step * steps / max(elapsed, 1e-9) / 1e12 / max(engine.world_size, 1)  # per device
+    tflops = (None if flops_per_step is None  # per device
+              else flops_per_step * steps / max(elapsed, 1e-9) / 1e12 / max(engine.world_size, 1))
     return {
         "step": state.step, "loss": loss, "lr": lr,
         "grad_norm": float(grad_norm) if grad_norm is not None else None,
         "tokens_per_sec": tokens_per_step * steps / max(elapsed, 1e-9),
-        "tflops": tflops, "mfu": tflops / peak if peak else None,
+        "tflops": tflops, "mfu": tflops / peak if tflops is not None and peak else None,
         "memory_gb": metrics_lib.memory_gb(), "skipped_steps": state.skipped_steps,
         "consumed_samples": state.consumed_samples,
     }
@@ -319,20 +337,22 @@ def _run_eval(engine: Any, loader: DataLoader, eval_iters: int, dist_info: Distr
     row = {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
     logger.log(row)
     if dist_info.is_main:
-        metrics_lib.console(metrics_lib.format_row(row, total_steps))
+        console(metrics_lib.format_row(row, total_steps))
     return val_loss
 
 
 def _print_summary(result: TrainingResult, run_dir: Path, curve: Path | None) -> None:
-    def fmt(value: float | None) -> str:
-        return "n/a" if value is None else f"{value:.4f}"
-
+    """Fill in the run's first/final loss and print the summary; both from metrics.jsonl, so a resumed
+    run reports its whole history."""
+    rows = metrics_lib.read_metrics(run_dir / "metrics.jsonl")
+    logged = [row["loss"] for row in rows if row.get("loss") is not None]
+    result.first_loss, result.final_loss = (logged[0], logged[-1]) if logged else (None, None)
     lines = [
-        f"done: {result.stopped_by} at step {result.steps}/{result.total_steps}; loss {fmt(result.first_loss)} -> "
-        f"{fmt(result.final_loss)}; validation loss {fmt(result.val_loss)}; skipped updates {result.skipped_steps}",
+        f"done: {result.stopped_by.replace('_', ' ')} at step {result.steps}/{result.total_steps}; "
+        f"{metrics_lib.loss_summary(rows)}; skipped updates {result.skipped_steps}",
         f"  checkpoint  {result.last_checkpoint or 'none'}",
         f"  metrics     {run_dir / 'metrics.jsonl'}",
-        f"  config      {run_dir / layout.CONFIG_FILE}",
+        f"  config      {run_dir / checkpoint_dirs.CONFIG_FILE}",
     ]
     if curve is not None:
         lines.append(f"  loss curve  {curve}")

@@ -1,6 +1,10 @@
 """What a run reports: console lines, <run-dir>/metrics.jsonl, wandb, and the loss-curve PNG.
 
-Only rank 0 logs. FLOPs follow the PaLM appendix convention: 6·N per token for the matmuls
+Only rank 0 logs. The training loss shown everywhere (progress bar, log lines, metrics.jsonl, wandb,
+the final summary) is one quantity, ``LossWindow``: the mean loss of the last ``train.log_interval``
+steps (fewer right after a start or resume; skipped non-finite steps left out).
+
+FLOPs follow the PaLM appendix convention: 6·N per token for the matmuls
 (N = parameters except the input embedding, a lookup) plus 12·layers·hidden·seq_length for attention
 scores; activation recomputation is not counted (that is MFU, not hardware FLOPs).
 """
@@ -11,16 +15,20 @@ import json
 import netrc
 import os
 import resource
-import sys
-import warnings
+import secrets
+import string
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from megatron_lite.checkpoint import write_text_atomic
 from megatron_lite.config import Config, ModelConfig
+from megatron_lite.console import notice
+from megatron_lite.files import write_text_atomic
 from megatron_lite.model.params import analytic_parameter_count
+
+WANDB_ID_FILE = "wandb_run_id"  # in the run dir: the wandb run a resume continues
 
 # Dense bf16/fp16 tensor-core peaks (TFLOP/s) by device-name substring.
 KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0, "L40S": 362.0, "V100": 125.0}
@@ -58,6 +66,35 @@ def _wandb_has_key() -> bool:
         return False
 
 
+class LossWindow:
+    """The training loss every report shows: the mean of the finite step losses among the last ``size``
+    steps (``size`` = train.log_interval); None when there are none."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._losses: deque[tuple[int, float]] = deque(maxlen=size)  # (step, mean loss of that step)
+
+    def add(self, step: int, loss: float) -> None:
+        self._losses.append((step, loss))
+
+    def mean(self, step: int) -> float | None:
+        """The window ending at ``step``."""
+        recent = [loss for at, loss in self._losses if at > step - self.size]
+        return sum(recent) / len(recent) if recent else None
+
+
+def wandb_run_id(run_dir: Path, resuming: bool) -> str:
+    """The id of the run dir's wandb run, kept in <run-dir>/wandb_run_id: a resume continues that wandb
+    run; a fresh start (step 0) begins a new one."""
+    path = run_dir / WANDB_ID_FILE
+    kept = path.read_text().strip() if resuming and path.is_file() else ""
+    if kept:
+        return kept
+    run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
+    write_text_atomic(path, run_id + "\n")
+    return run_id
+
+
 class MetricsLogger:
     """metrics.jsonl rows (+ wandb) on rank 0; a no-op elsewhere."""
 
@@ -69,17 +106,16 @@ class MetricsLogger:
         self.dropped_rows = 0
         if enabled:
             self.dropped_rows = drop_rows_after(self.path, start_step)
-            self._wandb = self._start_wandb(config, run_dir)
+            self._wandb = self._start_wandb(config, run_dir, resuming=start_step > 0)
 
     @staticmethod
-    def _start_wandb(config: Config, run_dir: Path) -> Any:
+    def _start_wandb(config: Config, run_dir: Path, resuming: bool) -> Any:
         settings = config.train.wandb
         mode = settings.mode
         if mode == "disabled":
             return None
         if mode == "online" and not _wandb_has_key():
-            warnings.warn("train.wandb.mode=online but no WANDB_API_KEY or `wandb login`: logging offline instead",
-                          stacklevel=2)
+            notice("train.wandb.mode=online but no WANDB_API_KEY or `wandb login`: logging offline instead")
             mode = "offline"
         os.environ.setdefault("WANDB_SILENT", "true")
         try:
@@ -89,9 +125,10 @@ class MetricsLogger:
 
             return wandb.init(project=settings.project, entity=settings.entity, name=settings.name or run_dir.name,
                               tags=settings.tags, mode=mode, dir=str(run_dir), config=to_dict(config),
+                              id=wandb_run_id(run_dir, resuming), resume="allow",
                               settings=wandb.Settings(console="off", init_timeout=60))
         except Exception as error:  # logging must never stop training
-            warnings.warn(f"wandb disabled: {type(error).__name__}: {error}", stacklevel=2)
+            notice(f"wandb disabled: {type(error).__name__}: {error}")
             return None
 
     def log(self, row: dict[str, Any]) -> None:
@@ -163,7 +200,15 @@ def format_row(row: dict[str, Any], total_steps: int) -> str:
     return " | ".join(parts)
 
 
-def console(message: str) -> None:
-    from tqdm import tqdm
-
-    tqdm.write(message, file=sys.stdout)
+def loss_summary(rows: list[dict[str, Any]]) -> str:
+    """'loss FIRST (step a) -> LAST (step b); validation loss V (step c)' over the whole run's metrics rows,
+    earlier attempts of a resumed run included."""
+    train = [(row["step"], row["loss"]) for row in rows if row.get("loss") is not None]
+    valid = [(row["step"], row["val_loss"]) for row in rows if row.get("val_loss") is not None]
+    if not train:
+        text = "loss n/a"
+    elif len(train) == 1:
+        text = f"loss {train[0][1]:.4f} (step {train[0][0]})"
+    else:
+        text = f"loss {train[0][1]:.4f} (step {train[0][0]}) -> {train[-1][1]:.4f} (step {train[-1][0]})"
+    return text + (f"; validation loss {valid[-1][1]:.4f} (step {valid[-1][0]})" if valid else "; validation loss n/a")

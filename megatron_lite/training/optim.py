@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_lite.training.options import TrainConfig
+from megatron_lite.config import TrainConfig
 
 
 def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -39,6 +39,7 @@ class SkippableAdamW(torch.optim.AdamW):
     """
 
     skip_next_step: bool = False
+    groups_summary: str = ""  # what gets weight decay; build_optimizer sets it, the loop logs it at start-up
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
@@ -48,8 +49,19 @@ class SkippableAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+def describe_groups(groups: list[dict[str, Any]]) -> str:
+    """One line: tensors and parameters per weight-decay group."""
+    parts = [f"{group['name']} {len(group['params'])} tensors ({sum(p.numel() for p in group['params']):,} parameters, "
+             f"weight decay {group['weight_decay']:g})" for group in groups]
+    return "optimizer groups: " + "; ".join(parts)
+
+
 def build_optimizer(model: nn.Module, train: TrainConfig) -> SkippableAdamW:
+    """AdamW over ``weight_decay_groups``; ``groups_summary`` holds their sizes for the start-up log."""
     groups = weight_decay_groups(model, train.weight_decay)
+    summary = describe_groups(groups)
     for group in groups:
-        del group["param_names"]  # torch keeps unknown keys in state_dict; names are for reporting only
-    return SkippableAdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
+        del group["param_names"]  # torch keeps unknown keys in state_dict; the names were for reporting only
+    optimizer = SkippableAdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps)
+    optimizer.groups_summary = summary
+    return optimizer

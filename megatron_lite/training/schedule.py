@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from megatron_lite.training.options import TrainConfig
+from megatron_lite.config import TrainConfig
 
 
 def warmup_steps(train: TrainConfig, total_steps: int) -> int:

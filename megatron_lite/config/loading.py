@@ -1,209 +1,24 @@
-"""Typed configuration: dataclasses loaded from YAML, validated, overridable with dotted keys.
-
-Every field carries its documentation in ``metadata["help"]``; ``docs/config.md`` is generated
-from it (``python -m megatron_lite.config --doc``) and a test keeps the two in sync.
+"""Reading, checking and writing configs: YAML load/save, ``--set`` overrides, validation, docs.
 
 User errors (unknown key, wrong type, impossible value) raise ``ValueError`` naming the dotted key
-and the offending value; unknown keys come with the closest valid name.
+and the offending value; unknown keys come with the closest valid name. ``docs/config.md`` is
+generated from the schema's help texts (``python -m megatron_lite.config --doc``) and a test keeps
+the two in sync.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import types
 import typing
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from megatron_lite.training.options import TrainConfig
-
-
-def _doc(help_text: str, **kwargs: Any) -> Any:
-    """A dataclass field with its documentation attached."""
-    return field(metadata={"help": help_text}, **kwargs)
-
-
-@dataclass
-class RopeScalingConfig:
-    """Inference-time context extension for rotary schemes (rope and both CoCA variants)."""
-
-    type: Literal["none", "linear", "ntk", "dynamic", "yarn"] = _doc(
-        "RoPE scaling: none | linear (position interpolation) | ntk (static NTK-aware base) | "
-        "dynamic (HF dynamic-NTK: base grows with the sequence length beyond the training length) | "
-        "yarn (NTK-by-parts + attention temperature).",
-        default="none",
-    )
-    factor: float = _doc("Scaling factor (>= 1). Ignored when type is none.", default=1.0)
-    original_max_position_embeddings: int | None = _doc(
-        "Training context length the scaling is relative to; null means model.seq_length.",
-        default=None,
-    )
-    beta_fast: float = _doc("YaRN: rotations above which dims are extrapolated (HF default 32).", default=32.0)
-    beta_slow: float = _doc("YaRN: rotations below which dims are interpolated (HF default 1).", default=1.0)
-
-
-@dataclass
-class PositionConfig:
-    """How positions enter the model; one interface for every scheme (DESIGN.md section 3)."""
-
-    scheme: Literal["none", "learned", "sinusoidal", "alibi", "rope", "coca"] = _doc(
-        "Position scheme: none | learned (absolute table) | sinusoidal | alibi (Press et al.) | "
-        "rope (rotary, GPT-NeoX layout) | coca (RoPE + collinear constrained attention).",
-        default="rope",
-    )
-    rotary_pct: float = _doc(
-        "Fraction of each head's dims that are rotated (GPT-NeoX rotary_pct); rope and coca only.",
-        default=1.0,
-    )
-    rotary_emb_base: float = _doc("Rotary base theta (GPT-NeoX rotary_emb_base).", default=10000.0)
-    constraint: Literal["slack", "strict"] = _doc(
-        "CoCA only: slack (paper Eq. 11, the paper's default) or strict (Eq. 10, exact collinearity).",
-        default="slack",
-    )
-    scaling: RopeScalingConfig = _doc(
-        "RoPE scaling applied at inference (rope and coca); see model.position.scaling.*.",
-        default_factory=RopeScalingConfig,
-    )
-
-
-@dataclass
-class AttentionConfig:
-    """Which attention kernel runs; independent of the position scheme."""
-
-    backend: Literal["sdpa", "flash", "chunked", "reference"] = _doc(
-        "Kernel: sdpa (torch scaled_dot_product_attention; FlashAttention on GPU) | flash "
-        "(flash-attn package, CUDA) | chunked (query blocks, O(chunk * N) memory, any scheme incl. "
-        "ALiBi) | reference (materialised scores exactly as the paper computes them; slow, for tests).",
-        default="sdpa",
-    )
-    chunk_size: int = _doc("Query block size of the chunked backend.", default=1024)
-
-
-@dataclass
-class ModelConfig:
-    """GPT-NeoX architecture; key names follow GPT-NeoX's where one exists."""
-
-    num_layers: int = _doc("Number of transformer blocks.", default=24)
-    hidden_size: int = _doc("Model width.", default=1024)
-    num_attention_heads: int = _doc("Attention heads; must divide hidden_size.", default=16)
-    intermediate_size: int | None = _doc("MLP width; null means 4 * hidden_size.", default=None)
-    seq_length: int = _doc("Training context length in tokens.", default=512)
-    max_position_embeddings: int | None = _doc(
-        "Largest position a learned table covers and the value exported to HF; null means seq_length.",
-        default=None,
-    )
-    vocab_size: int = _doc("Tokenizer vocabulary size (before padding).", default=50000)
-    make_vocab_size_divisible_by: int = _doc(
-        "Pad the embedding/LM-head rows to a multiple of this (GPT-NeoX default 128).", default=128
-    )
-    gpt_j_residual: bool = _doc(
-        "Parallel residual x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX/HF use_parallel_residual).",
-        default=True,
-    )
-    norm: Literal["layernorm"] = _doc("Normalisation layer.", default="layernorm")
-    layernorm_epsilon: float = _doc("LayerNorm epsilon.", default=1e-5)
-    activation: Literal["gelu", "gelu_tanh", "relu"] = _doc(
-        "MLP activation (gelu is the exact erf form, as GPT-NeoX and HF 'gelu').", default="gelu"
-    )
-    no_weight_tying: bool = _doc("Untied input embedding and LM head (paper: untied).", default=True)
-    init_method: Literal["small_init", "normal"] = _doc(
-        "Init of input-side weights: small_init = N(0, sqrt(2 / (5 * hidden))) (GPT-NeoX), "
-        "normal = N(0, init_method_std).",
-        default="small_init",
-    )
-    output_layer_init_method: Literal["wang_init", "small_init", "normal"] = _doc(
-        "Init of the residual-output projections (attention.dense, mlp.dense_4h_to_h): "
-        "wang_init = N(0, 2 / (num_layers * sqrt(hidden))) (GPT-NeoX).",
-        default="wang_init",
-    )
-    init_method_std: float = _doc("Std of the 'normal' init method.", default=0.02)
-    attention_dropout: float = _doc("Dropout on attention probabilities (training only).", default=0.0)
-    hidden_dropout: float = _doc("Dropout on attention and MLP outputs (training only).", default=0.0)
-    checkpoint_activations: bool = _doc(
-        "Recompute each block in the backward pass (activation checkpointing).", default=False
-    )
-    position: PositionConfig = _doc("Position scheme; see model.position.*.", default_factory=PositionConfig)
-    attention: AttentionConfig = _doc("Attention kernel; see model.attention.*.", default_factory=AttentionConfig)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def ffn_size(self) -> int:
-        return self.intermediate_size if self.intermediate_size is not None else 4 * self.hidden_size
-
-    @property
-    def max_positions(self) -> int:
-        return self.max_position_embeddings if self.max_position_embeddings is not None else self.seq_length
-
-    @property
-    def padded_vocab_size(self) -> int:
-        multiple = self.make_vocab_size_divisible_by
-        return int(math.ceil(self.vocab_size / multiple) * multiple)
-
-    @property
-    def rotary_dims(self) -> int:
-        return int(self.head_dim * self.position.rotary_pct)
-
-    @property
-    def uses_rotary(self) -> bool:
-        return self.position.scheme in ("rope", "coca")
-
-
-@dataclass
-class TokenizerConfig:
-    """SentencePiece tokenizer: an existing model, or one trained from the mix (vocab = model.vocab_size)."""
-
-    model: str | None = _doc(
-        "Existing SentencePiece .model file; null trains one from the mix into data.cache_dir with "
-        "model.vocab_size pieces.",
-        default=None,
-    )
-    sample_chars: int = _doc(
-        "Characters drawn from the mix, in its group proportions, to train the tokenizer.", default=20_000_000
-    )
-
-
-@dataclass
-class DataConfig:
-    """Where training tokens come from: a mix file of sources, tokenised once into cached shards."""
-
-    mix: str = _doc(
-        "Mix file (configs/data/*.yml) declaring groups, group weights and sources; relative paths "
-        "are taken from the working directory.",
-        default="configs/data/sample_mix.yml",
-    )
-    cache_dir: str = _doc(
-        "Directory for the tokenizer, MMIDIDX shards, manifest and cached sample order (reused across runs).",
-        default="data/cache/sample",
-    )
-    tokenizer: TokenizerConfig = _doc("Tokenizer; see data.tokenizer.*.", default_factory=TokenizerConfig)
-    validation_fraction: float = _doc(
-        "Fraction of each source's documents held out for validation (split by document, no leakage).",
-        default=0.01,
-    )
-    num_workers: int = _doc("Tokenisation worker processes.", default=2)
-    seed: int = _doc("Seed of the validation split and the sample order.", default=1234)
-
-
-@dataclass
-class Config:
-    """Top level of a megatron_lite YAML file."""
-
-    model: ModelConfig = _doc("Model architecture; see model.*.", default_factory=ModelConfig)
-    data: DataConfig = _doc("Training data; see data.*.", default_factory=DataConfig)
-    train: TrainConfig = _doc("Optimisation, logging and checkpoints; see train.*.", default_factory=TrainConfig)
-    precision: Literal["fp32", "bf16", "fp16"] = _doc(
-        "Parameter/compute dtype (GPT-NeoX precision).", default="fp32"
-    )
-    seed: int = _doc("Random seed for initialisation and sampling.", default=1234)
+from megatron_lite.config.schema import Config, MixConfig
+from megatron_lite.console import notice
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,12 +221,12 @@ def validate(config: Config) -> Config:
                 f"{scaling.beta_slow} > 0",
             )
         if not model.uses_rotary:
-            warnings.warn(
+            notice(
                 f"model.position.scaling.type={scaling.type} is ignored: scheme {position.scheme} has no rotary embedding",
                 stacklevel=2,
             )
     if position.scheme != "coca" and position.constraint != "slack":
-        warnings.warn(
+        notice(
             f"model.position.constraint={position.constraint} is ignored: only the coca scheme uses it",
             stacklevel=2,
         )
@@ -518,28 +333,8 @@ def documentation(root: type | None = None) -> str:
 
 def documentation_page() -> str:
     """docs/config.md: the run config and the mix-file format."""
-    from megatron_lite.data.mix import MixConfig
-
     return (
         "# Configuration reference\n\nGenerated by `python -m megatron_lite.config --doc`.\n\n"
         "## Run config (`configs/*.yml`)\n\n" + documentation(Config)
         + "\n## Mix files (`configs/data/*.yml`, named by `data.mix`)\n\n" + documentation(MixConfig)
     )
-
-
-def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser(description="Inspect megatron_lite configs.")
-    parser.add_argument("--doc", action="store_true", help="print the Markdown reference of every key")
-    parser.add_argument("--config", help="load, validate and print this YAML file (with --set overrides)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args = parser.parse_args()
-    if args.doc:
-        print(documentation_page(), end="")
-    if args.config:
-        print(yaml.safe_dump(to_dict(load(args.config, args.set)), sort_keys=False), end="")
-
-
-if __name__ == "__main__":
-    main()

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lite.checkpoint import check_tensors, expected_shapes
 from megatron_lite.config import ModelConfig
+from megatron_lite.weights import check_tensors, expected_shapes
 
 HF_PREFIX = "gpt_neox."
 FRAMEWORK_POSITION_TABLE = "position.embedding.weight"

@@ -1,7 +1,7 @@
 """Data pipeline benchmark (tools/bench_data.py): preprocessing tokens/s with 1 and 2 workers, index
 build time, and loader samples/s against what training consumes.
 
-Preprocessing is timed through ``megatron_lite.data.preprocess.prepare_data(config)``: one untimed
+Preprocessing is timed through ``megatron_lite.data.preprocess.prepare_data``: one untimed
 run trains the tokenizer, then the same corpus is tokenised with 1 and 2 workers into fresh cache
 dirs. The loader is timed on a prepared cache, or on synthetic shards written here.
 """
@@ -9,9 +9,7 @@ dirs. The loader is timed on a prepared cache, or on synthetic shards written he
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
-import inspect
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,22 +22,19 @@ import yaml
 
 from megatron_lite.config import Config
 from megatron_lite.data.indexed import IndexedDatasetWriter, dtype_for_vocab
-from megatron_lite.data.loader import RankSlice, build_blended_dataset, find_prepare_data
+from megatron_lite.data.loader import RankSlice, build_blended_dataset
 from megatron_lite.data.manifest import Manifest, ShardRecord, SourceRecord, TokenizerRecord, load_manifest, save_manifest
+from megatron_lite.data.mix import load_mix
+from megatron_lite.data.preprocess import prepare_data
+from megatron_lite.data.records import Document
+from megatron_lite.data.sources import read_source
+from megatron_lite.files import file_sha256
 
 # name: (group, share of the synthetic tokens): a 75/25 text/code mix of three sources.
 SYNTHETIC_SOURCES = {"synthetic_prose": ("text", 0.45), "synthetic_books": ("text", 0.30), "synthetic_code": ("code", 0.25)}
 DEFAULT_CONSUMED_SAMPLES_PER_S = 60.0  # tiny config: ~8 samples/step x ~7 steps/s on 2 CPU cores
 LOADER_TARGET_RATIO = 100.0
 PREPROCESS_TARGET_SPEEDUP = 1.7
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_synthetic_cache(cache_dir: str | Path, num_tokens: int, vocab_size: int = 8000, seed: int = 0,
@@ -66,8 +61,8 @@ def write_synthetic_cache(cache_dir: str | Path, num_tokens: int, vocab_size: in
         with IndexedDatasetWriter(cache_dir / prefix, dtype) as writer:
             for document in np.split(tokens, ends[:-1]):
                 writer.add_document(document)
-        shard = ShardRecord(prefix, len(lengths), int(lengths.sum()), _sha256(str(cache_dir / prefix) + ".bin"),
-                            _sha256(str(cache_dir / prefix) + ".idx"))
+        shard = ShardRecord(prefix, len(lengths), int(lengths.sum()), file_sha256(str(cache_dir / prefix) + ".bin"),
+                            file_sha256(str(cache_dir / prefix) + ".idx"))
         manifest.sources[name] = SourceRecord(group=group, config_hash="synthetic", shards=[shard],
                                               documents=shard.documents, tokens=shard.tokens, complete=True)
         groups.setdefault(group, {"weight": 0.75 if group == "text" else 0.25, "sources": {}})
@@ -90,7 +85,7 @@ def bench_loader(config: Config, manifest: Manifest, num_samples: int, seconds: 
                  max_samples: int = 200_000) -> dict[str, Any]:
     """Index build time for ``num_samples`` (rank 0, uncached) and DataLoader samples/s (1 process)."""
     start = time.perf_counter()
-    dataset = build_blended_dataset(config, manifest, "train", num_samples)
+    dataset = build_blended_dataset(config.data, config.model.seq_length, manifest, "train", num_samples)
     build_seconds = time.perf_counter() - start
     loader = torch.utils.data.DataLoader(RankSlice(dataset), batch_size=batch_size, shuffle=False)
     count, start = 0, time.perf_counter()
@@ -108,9 +103,6 @@ def export_mix_to_jsonl(config: Config, out_dir: Path, repeat: int = 1) -> Path:
     """The mix's documents as one jsonl file per source (``repeat`` copies each, dedup off), and a mix
     file with the same groups reading them: the hub/jsonl case, where reading is cheap next to
     tokenisation (the built-in python_docs source parses the stdlib with ``ast``, serially)."""
-    from megatron_lite.data.mix import load_mix
-    from megatron_lite.data.sources import Document, read_source
-
     out_dir.mkdir(parents=True, exist_ok=True)
     groups: dict[str, Any] = {}
     for group_name, group in load_mix(config.data.mix).groups.items():
@@ -130,16 +122,11 @@ def export_mix_to_jsonl(config: Config, out_dir: Path, repeat: int = 1) -> Path:
 
 def bench_preprocess(config: Config, workdir: str | Path, workers: tuple[int, ...] = (1, 2), repeat: int = 2,
                      progress: Callable[[str], None] = print) -> dict[str, Any]:
-    """Tokens/s of prepare_data per worker count on the config's mix exported to jsonl; {"error": ...}
-    while prepare_data does not exist."""
-    prepare = find_prepare_data()
-    if prepare is None:
-        return {"error": "megatron_lite.data.preprocess.prepare_data is not available yet"}
-    quiet = {"progress": False} if "progress" in inspect.signature(prepare).parameters else {}
+    """Tokens/s of prepare_data per worker count on the config's mix exported to jsonl."""
     workdir = Path(workdir)
     warm = with_data(config, cache_dir=str(workdir / "warmup"))
     progress("preprocess: warm-up run (trains the tokenizer, warms the file cache)")
-    prepare(warm, **quiet)
+    prepare_data(warm.data, warm.model.vocab_size, progress=False)
     tokenizer = workdir / "warmup" / load_manifest(warm.data.cache_dir).tokenizer.path
     progress(f"preprocess: exporting the mix to jsonl ({repeat} copies)")
     jsonl_mix = export_mix_to_jsonl(config, workdir / "jsonl", repeat)
@@ -149,7 +136,7 @@ def bench_preprocess(config: Config, workdir: str | Path, workers: tuple[int, ..
         run.data.tokenizer.model = str(tokenizer)
         progress(f"preprocess: {count} worker(s)")
         start = time.perf_counter()
-        prepare(run, **quiet)
+        prepare_data(run.data, run.model.vocab_size, progress=False)
         seconds = time.perf_counter() - start
         tokens = sum(source.tokens for source in load_manifest(run.data.cache_dir).sources.values())
         result["runs"][str(count)] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
@@ -188,9 +175,7 @@ def format_report(result: dict[str, Any]) -> str:
     """Markdown table of the figures and their targets."""
     rows = ["| measure | value | target | status |", "|---|---|---|---|"]
     pre = result.get("preprocess")
-    if pre is not None and "error" in pre:
-        rows.append(f"| preprocessing | skipped: {pre['error']} | | |")
-    elif pre is not None:
+    if pre is not None:
         for count, run in pre["runs"].items():
             rows.append(f"| preprocess tokens/s, {count} worker(s) | {run['tokens_per_s']:,.0f} "
                         f"({run['tokens']:,} tokens, {run['seconds']:.1f} s) | | |")

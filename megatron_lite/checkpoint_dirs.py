@@ -1,0 +1,112 @@
+"""Where a run keeps its checkpoints: the run, step and consolidated directories and their files.
+
+Layout written by the training loop (``megatron_lite.training``)::
+
+    <run-dir>/
+      config.yml                         the resolved config of the run
+      checkpoints/
+        latest                           tag of the newest COMPLETE checkpoint (written last)
+        step_00000100/                   one DeepSpeed ``save_checkpoint`` tag directory:
+          mp_rank_00_model_states.pt       DeepSpeed files (model / ZeRO optimizer partitions)
+          *_optim_states.pt
+          config.yml                       the config that produced it
+          tokenizer.model                  the SentencePiece model the data was tokenised with
+          COMPLETE                         marker: every rank finished writing (JSON summary)
+
+A *consolidated* directory holds ``config.yml`` + ``model.safetensors`` (+ ``tokenizer.model``);
+``megatron_lite.weights`` reads and writes one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+COMPLETE_MARKER = "COMPLETE"
+CONFIG_FILE = "config.yml"
+TOKENIZER_FILE = "tokenizer.model"
+WEIGHTS_FILE = "model.safetensors"
+_STEP_TAG = re.compile(r"^step_(\d+)$")
+
+
+def step_tag(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def tag_step(tag: str) -> int | None:
+    match = _STEP_TAG.match(tag)
+    return int(match.group(1)) if match else None
+
+
+def is_complete(step_dir: Path) -> bool:
+    return (step_dir / COMPLETE_MARKER).is_file()
+
+
+def read_complete_marker(step_dir: Path) -> dict[str, Any]:
+    return json.loads((step_dir / COMPLETE_MARKER).read_text())
+
+
+def checkpoint_step(step_dir: Path) -> int | None:
+    """The optimizer step a step dir holds (its COMPLETE marker, else its tag); None for other dirs."""
+    if is_complete(step_dir):
+        return int(read_complete_marker(step_dir)["step"])
+    return tag_step(step_dir.name)
+
+
+def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
+    """Complete step directories, oldest first."""
+    if not checkpoints_dir.is_dir():
+        return []
+    found = [(tag_step(p.name), p) for p in checkpoints_dir.iterdir() if p.is_dir() and tag_step(p.name) is not None]
+    return [p for _, p in sorted(found) if is_complete(p)]
+
+
+def latest_complete(checkpoints_dir: Path) -> Path | None:
+    """The step dir named by ``latest`` if complete; otherwise the newest complete one (or None)."""
+    latest = checkpoints_dir / LATEST_FILE
+    if latest.is_file():
+        candidate = checkpoints_dir / latest.read_text().strip()
+        if candidate.is_dir() and is_complete(candidate):
+            return candidate
+    complete = complete_checkpoints(checkpoints_dir)
+    return complete[-1] if complete else None
+
+
+def checkpoint_kind(path: Path) -> str:
+    """'run' | 'step' | 'consolidated' | 'hf'; ValueError naming the path otherwise."""
+    if (path / CHECKPOINTS_DIR).is_dir():
+        return "run"
+    if (path / WEIGHTS_FILE).is_file() and (path / CONFIG_FILE).is_file():
+        return "consolidated"
+    if list(path.glob("*model_states.pt")):
+        return "step"
+    if (path / "config.json").is_file():
+        return "hf"
+    raise ValueError(f"{path}: not a run dir ({CHECKPOINTS_DIR}/), a step dir (*model_states.pt), "
+                     f"a consolidated dir ({CONFIG_FILE} + {WEIGHTS_FILE}) or a Hugging Face dir (config.json)")
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """A run dir becomes its latest complete step dir; step and consolidated dirs are returned as is."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {path} does not exist or is not a directory")
+    if checkpoint_kind(path) == "run":
+        found = latest_complete(path / CHECKPOINTS_DIR)
+        if found is None:
+            raise ValueError(f"run {path} has no complete checkpoint in {path / CHECKPOINTS_DIR}")
+        return found
+    return path
+
+
+def step_config_file(step_dir: Path) -> Path:
+    """The config.yml beside a step dir's DeepSpeed files, else the one of its run dir."""
+    for candidate in (step_dir / CONFIG_FILE, step_dir.parent.parent / CONFIG_FILE):
+        if candidate.is_file():
+            return candidate
+    raise ValueError(f"{step_dir}: no {CONFIG_FILE} beside the checkpoint or in its run dir")

@@ -1,0 +1,53 @@
+"""What every command line shares: a user error is one line, ``error: MESSAGE``, never a traceback.
+
+A script decorates its ``main(argv=None) -> int`` with ``@cli_main`` and ends with
+``if __name__ == "__main__": run_cli(main)``::
+
+    @cli_main
+    def main(argv: list[str] | None = None) -> int:
+        args = parser.parse_args(argv)
+        ...  # raise ValueError("what is wrong, and the value") for anything the user can fix
+        return 0
+
+A ``ValueError`` (bad key, file or value) prints ``error: MESSAGE`` on stderr and makes ``main``
+return ``EXIT_USER_ERROR``; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import NoReturn, ParamSpec
+
+from megatron_lite.console import show_notices
+
+EXIT_USER_ERROR = 2  # as argparse exits for a bad command line
+
+P = ParamSpec("P")
+
+
+def print_error(error: BaseException | str) -> None:
+    print(f"error: {error}", file=sys.stderr, flush=True)
+
+
+def cli_main(main: Callable[P, int | None]) -> Callable[P, int]:
+    """``main`` returning its exit code, with a ``ValueError`` printed as one ``error:`` line (code 2)."""
+
+    @functools.wraps(main)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> int:
+        try:
+            code = main(*args, **kwargs)
+        except ValueError as error:
+            print_error(error)
+            return EXIT_USER_ERROR
+        return 0 if code is None else code
+
+    return wrapper
+
+
+def run_cli(main: Callable[[], int]) -> NoReturn:
+    """The process entry point of a command: project notices as console lines (rank 0), known-harmless
+    library warnings dropped (``megatron_lite.console``), then exit with ``main()``'s code."""
+    show_notices()
+    sys.exit(main())

@@ -1,0 +1,383 @@
+"""Every section of a megatron_lite config as typed dataclasses: the run config and mix files.
+
+Each field carries its documentation in ``metadata["help"]`` (``_doc``); ``docs/config.md`` is
+generated from it. Parsing, validation and overrides live in ``megatron_lite.config.loading``.
+Key names follow GPT-NeoX / DeepSpeed where one exists; train.* defaults are the paper's
+(arXiv 2309.08646 section 4).
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SchemeName = Literal["none", "learned", "sinusoidal", "alibi", "rope", "coca"]
+CocaConstraint = Literal["slack", "strict"]
+ScalingType = Literal["none", "linear", "ntk", "dynamic", "yarn"]
+AttentionBackend = Literal["sdpa", "flash", "chunked", "reference"]
+SourceType = Literal["hf", "jsonl", "text", "parquet", "python_docs", "python_code"]
+
+SCHEMES: tuple[str, ...] = typing.get_args(SchemeName)
+ROTARY_SCHEMES: tuple[str, ...] = ("rope", "coca")
+CONSTRAINTS: tuple[str, ...] = typing.get_args(CocaConstraint)
+SCALING_TYPES: tuple[str, ...] = tuple(kind for kind in typing.get_args(ScalingType) if kind != "none")
+BACKENDS: tuple[str, ...] = typing.get_args(AttentionBackend)
+SCHEME_DISPLAY_NAMES = {"alibi": "ALiBi", "rope": "RoPE", "coca": "CoCA"}  # the rest as written
+
+
+def _doc(help_text: str, **kwargs: Any) -> Any:
+    """A dataclass field with its documentation attached."""
+    return field(metadata={"help": help_text}, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Run config: model.*, data.*
+
+
+@dataclass
+class RopeScalingConfig:
+    """Inference-time context extension for rotary schemes (rope and both CoCA variants)."""
+
+    type: ScalingType = _doc(
+        "RoPE scaling: none | linear (position interpolation) | ntk (static NTK-aware base) | dynamic (HF "
+        "dynamic-NTK: base grows with the sequence length beyond the training length) | yarn (NTK-by-parts + "
+        "attention temperature).", default="none")
+    factor: float = _doc("Scaling factor (>= 1). Ignored when type is none.", default=1.0)
+    original_max_position_embeddings: int | None = _doc(
+        "Training context length the scaling is relative to; null means model.seq_length.",
+        default=None,
+    )
+    beta_fast: float = _doc("YaRN: rotations above which dims are extrapolated (HF default 32).", default=32.0)
+    beta_slow: float = _doc("YaRN: rotations below which dims are interpolated (HF default 1).", default=1.0)
+
+
+@dataclass
+class PositionConfig:
+    """How positions enter the model; one interface for every scheme (DESIGN.md section 3)."""
+
+    scheme: SchemeName = _doc(
+        "Position scheme: none | learned (absolute table) | sinusoidal | alibi (Press et al.) | "
+        "rope (rotary, GPT-NeoX layout) | coca (RoPE + collinear constrained attention).",
+        default="rope",
+    )
+    rotary_pct: float = _doc(
+        "Fraction of each head's dims that are rotated (GPT-NeoX rotary_pct); rope and coca only.",
+        default=1.0,
+    )
+    rotary_emb_base: float = _doc("Rotary base theta (GPT-NeoX rotary_emb_base).", default=10000.0)
+    constraint: CocaConstraint = _doc(
+        "CoCA only: slack (paper Eq. 11, the paper's default) or strict (Eq. 10, exact collinearity).",
+        default="slack",
+    )
+    scaling: RopeScalingConfig = _doc(
+        "RoPE scaling applied at inference (rope and coca); see model.position.scaling.*.",
+        default_factory=RopeScalingConfig,
+    )
+
+    @property
+    def is_rotary(self) -> bool:
+        """Whether the scheme rotates queries and keys (and so takes RoPE scalings)."""
+        return self.scheme in ROTARY_SCHEMES
+
+    @property
+    def label(self) -> str:
+        """How logs, result files and CLIs name the scheme: 'rope', 'coca slack', 'alibi', ..."""
+        return f"{self.scheme} {self.constraint}" if self.scheme == "coca" else self.scheme
+
+    @property
+    def display_name(self) -> str:
+        """The paper's spelling, for report tables: 'RoPE', 'CoCA (slack)', 'ALiBi', ..."""
+        name = SCHEME_DISPLAY_NAMES.get(self.scheme, self.scheme)
+        return f"{name} ({self.constraint})" if self.scheme == "coca" else name
+
+
+@dataclass
+class AttentionConfig:
+    """Which attention kernel runs; independent of the position scheme."""
+
+    backend: AttentionBackend = _doc(
+        "Kernel: sdpa (torch scaled_dot_product_attention; FlashAttention on GPU) | flash "
+        "(flash-attn package, CUDA) | chunked (query blocks, O(chunk * N) memory, any scheme incl. "
+        "ALiBi) | reference (materialised scores exactly as the paper computes them; slow, for tests).",
+        default="sdpa",
+    )
+    chunk_size: int = _doc("Query block size of the chunked backend.", default=1024)
+
+
+@dataclass
+class ModelConfig:
+    """GPT-NeoX architecture; key names follow GPT-NeoX's where one exists."""
+
+    num_layers: int = _doc("Number of transformer blocks.", default=24)
+    hidden_size: int = _doc("Model width.", default=1024)
+    num_attention_heads: int = _doc("Attention heads; must divide hidden_size.", default=16)
+    intermediate_size: int | None = _doc("MLP width; null means 4 * hidden_size.", default=None)
+    seq_length: int = _doc("Training context length in tokens.", default=512)
+    max_position_embeddings: int | None = _doc(
+        "Largest position a learned table covers and the value exported to HF; null means seq_length.",
+        default=None,
+    )
+    vocab_size: int = _doc("Tokenizer vocabulary size (before padding).", default=50000)
+    make_vocab_size_divisible_by: int = _doc(
+        "Pad the embedding/LM-head rows to a multiple of this (GPT-NeoX default 128).", default=128
+    )
+    gpt_j_residual: bool = _doc(
+        "Parallel residual x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX/HF use_parallel_residual).",
+        default=True,
+    )
+    norm: Literal["layernorm"] = _doc("Normalisation layer.", default="layernorm")
+    layernorm_epsilon: float = _doc("LayerNorm epsilon.", default=1e-5)
+    activation: Literal["gelu", "gelu_tanh", "relu"] = _doc(
+        "MLP activation (gelu is the exact erf form, as GPT-NeoX and HF 'gelu').", default="gelu"
+    )
+    no_weight_tying: bool = _doc("Untied input embedding and LM head (paper: untied).", default=True)
+    init_method: Literal["small_init", "normal"] = _doc(
+        "Init of input-side weights: small_init = N(0, sqrt(2 / (5 * hidden))) (GPT-NeoX), "
+        "normal = N(0, init_method_std).",
+        default="small_init",
+    )
+    output_layer_init_method: Literal["wang_init", "small_init", "normal"] = _doc(
+        "Init of the residual-output projections (attention.dense, mlp.dense_4h_to_h): "
+        "wang_init = N(0, 2 / (num_layers * sqrt(hidden))) (GPT-NeoX).",
+        default="wang_init",
+    )
+    init_method_std: float = _doc("Std of the 'normal' init method.", default=0.02)
+    attention_dropout: float = _doc("Dropout on attention probabilities (training only).", default=0.0)
+    hidden_dropout: float = _doc("Dropout on attention and MLP outputs (training only).", default=0.0)
+    checkpoint_activations: bool = _doc(
+        "Recompute each block in the backward pass (activation checkpointing).", default=False
+    )
+    position: PositionConfig = _doc("Position scheme; see model.position.*.", default_factory=PositionConfig)
+    attention: AttentionConfig = _doc("Attention kernel; see model.attention.*.", default_factory=AttentionConfig)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.intermediate_size if self.intermediate_size is not None else 4 * self.hidden_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_position_embeddings if self.max_position_embeddings is not None else self.seq_length
+
+    @property
+    def padded_vocab_size(self) -> int:
+        multiple = self.make_vocab_size_divisible_by
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    @property
+    def rotary_dims(self) -> int:
+        return int(self.head_dim * self.position.rotary_pct)
+
+    @property
+    def uses_rotary(self) -> bool:
+        return self.position.is_rotary
+
+    @property
+    def rotary_train_length(self) -> int:
+        """The length RoPE scalings are relative to: scaling.original_max_position_embeddings or seq_length."""
+        return self.position.scaling.original_max_position_embeddings or self.seq_length
+
+
+@dataclass
+class TokenizerConfig:
+    """SentencePiece tokenizer: an existing model, or one trained from the mix (vocab = model.vocab_size)."""
+
+    model: str | None = _doc(
+        "Existing SentencePiece .model file; null trains one from the mix into data.cache_dir with "
+        "model.vocab_size pieces.", default=None)
+    sample_chars: int = _doc(
+        "Characters drawn from the mix, in its group proportions, to train the tokenizer.", default=20_000_000
+    )
+
+
+@dataclass
+class DataConfig:
+    """Where training tokens come from: a mix file of sources, tokenised once into cached shards."""
+
+    mix: str = _doc(
+        "Mix file (configs/data/*.yml) declaring groups, group weights and sources; relative paths "
+        "are taken from the working directory.",
+        default="configs/data/sample_mix.yml",
+    )
+    cache_dir: str = _doc(
+        "Directory for the tokenizer, MMIDIDX shards, manifest and cached sample order (reused across runs).",
+        default="data/cache/sample",
+    )
+    tokenizer: TokenizerConfig = _doc("Tokenizer; see data.tokenizer.*.", default_factory=TokenizerConfig)
+    validation_fraction: float = _doc(
+        "Fraction of each source's documents held out for validation (split by document, no leakage).",
+        default=0.01,
+    )
+    num_workers: int = _doc("Tokenisation worker processes.", default=2)
+    seed: int = _doc("Seed of the validation split and the sample order.", default=1234)
+
+
+# ----------------------------------------------------------------------------------------------
+# Run config: train.*
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging; never prompts, never blocks."""
+
+    mode: Literal["online", "offline", "disabled"] = _doc(
+        "online (needs WANDB_API_KEY or `wandb login`; falls back to offline with a warning when there "
+        "is none) | offline (files under <run-dir>/wandb, `wandb sync` later) | disabled.",
+        default="offline",
+    )
+    project: str = _doc("wandb project.", default="megatron_lite")
+    entity: str | None = _doc("wandb entity (team or user); null means your default.", default=None)
+    name: str | None = _doc("Run name; null means the run directory's name.", default=None)
+    tags: list[str] = _doc("Run tags.", default_factory=list)
+
+
+@dataclass
+class FaultInjectionConfig:
+    """Test hooks that make failures happen on purpose (used by the robustness tests)."""
+
+    nonfinite_loss_steps: list[int] = _doc(
+        "Steps (1-based) whose loss is replaced by NaN on every rank, to exercise the skip logic.",
+        default_factory=list,
+    )
+    kill_during_save_step: int | None = _doc(
+        "SIGKILL this process after the DeepSpeed files of this step's checkpoint are written and before "
+        "it is marked complete (simulates a crash mid-save).", default=None)
+    fail_save_step: int | None = _doc(
+        "Raise OSError while saving this step's checkpoint (simulates a full disk).", default=None)
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and run management (``train.*``)."""
+
+    init_from: str | None = _doc(
+        "Start from these weights (a run, step or consolidated dir, e.g. tools/convert_checkpoint.py --to "
+        "megatron_lite output); optimizer, step and data position start fresh. Ignored when resuming.",
+        default=None,
+    )
+    train_iters: int | None = _doc(
+        "Optimizer steps; null means derived from train_epochs over the data mix.", default=None
+    )
+    train_epochs: float = _doc(
+        "Passes over the mix's training tokens when train_iters is null (paper: 2).", default=2.0
+    )
+    train_batch_size: int | None = _doc(
+        "Global batch in samples (= micro batch x gradient accumulation x data-parallel ranks); "
+        "null means derived from the other two.",
+        default=None,
+    )
+    train_micro_batch_size_per_gpu: int = _doc("Samples per rank per forward/backward.", default=16)
+    gradient_accumulation_steps: int = _doc(
+        "Micro batches per rank per optimizer step.", default=1
+    )
+    zero_stage: int = _doc("DeepSpeed ZeRO stage 0-3.", default=0)
+    lr: float = _doc("Peak learning rate, reached at the end of warm-up (paper: 1e-4).", default=1.0e-4)
+    min_lr: float = _doc("Learning rate at the last step (paper: 1e-5).", default=1.0e-5)
+    warmup: float = _doc("Warm-up length as a fraction of train_iters (paper: 0.01).", default=0.01)
+    warmup_start_lr: float = _doc("Learning rate at step 0 (paper: 1e-7).", default=1.0e-7)
+    lr_decay_style: Literal["linear", "cosine", "constant"] = _doc(
+        "Decay from lr to min_lr after warm-up (paper: linear).", default="linear"
+    )
+    adam_beta1: float = _doc("AdamW beta1 (paper: 0.9).", default=0.9)
+    adam_beta2: float = _doc("AdamW beta2 (paper: 0.95).", default=0.95)
+    adam_eps: float = _doc("AdamW epsilon.", default=1.0e-8)
+    weight_decay: float = _doc(
+        "Decoupled weight decay on >= 2-D weights (matmuls, embeddings); biases and LayerNorm get none.",
+        default=0.1,
+    )
+    gradient_clipping: float = _doc("Clip the global gradient norm to this; 0 disables.", default=1.0)
+    initial_loss_scale_power: int = _doc("fp16 only: dynamic loss scaling starts at 2**this.", default=16)
+    log_interval: int = _doc(
+        "Steps between console/metrics.jsonl/wandb rows; the loss reported everywhere (bar, log, summary) is "
+        "the mean over the last this-many steps.",
+        default=10,
+    )
+    eval_interval: int = _doc("Steps between validation runs (and one at the end); 0 disables.", default=1000)
+    eval_iters: int = _doc("Micro batches per validation run.", default=10)
+    save_interval: int = _doc("Steps between checkpoints (and one at the end); 0 saves only at the end.", default=1000)
+    keep_last_checkpoints: int = _doc("Complete checkpoints kept; older ones are deleted.", default=3)
+    exit_interval: int | None = _doc(
+        "Save a checkpoint and exit when the step is a multiple of this (Megatron's --exit-interval); "
+        "for time-limited jobs that resubmit themselves with --resume auto.",
+        default=None,
+    )
+    max_consecutive_nonfinite: int = _doc(
+        "Stop after this many optimizer steps in a row whose loss was NaN/inf (each is skipped).", default=5
+    )
+    peak_tflops: float | None = _doc(
+        "Peak TFLOP/s per device for the MFU column; null means known GPUs' bf16/fp16 peaks, else no MFU.",
+        default=None,
+    )
+    num_workers: int = _doc("DataLoader worker processes per rank.", default=1)
+    wandb: WandbConfig = _doc("Weights & Biases; see train.wandb.*.", default_factory=WandbConfig)
+    deepspeed: dict[str, Any] = _doc(
+        "Passthrough: merged last into the generated DeepSpeed config (any DeepSpeed key).", default_factory=dict
+    )
+    fault_injection: FaultInjectionConfig = _doc(
+        "Deliberate failures for tests; see train.fault_injection.*.", default_factory=FaultInjectionConfig
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Run config: top level
+
+
+@dataclass
+class Config:
+    """Top level of a megatron_lite YAML file."""
+
+    model: ModelConfig = _doc("Model architecture; see model.*.", default_factory=ModelConfig)
+    data: DataConfig = _doc("Training data; see data.*.", default_factory=DataConfig)
+    train: TrainConfig = _doc("Optimisation, logging and checkpoints; see train.*.", default_factory=TrainConfig)
+    precision: Literal["fp32", "bf16", "fp16"] = _doc(
+        "Parameter/compute dtype (GPT-NeoX precision).", default="fp32"
+    )
+    seed: int = _doc("Random seed for initialisation and sampling.", default=1234)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mix files (configs/data/*.yml)
+
+
+@dataclass
+class SourceConfig:
+    """One source of documents in a mix file."""
+
+    type: SourceType = _doc(
+        "hf: a datasets hub id or local dataset dir (load_dataset); jsonl: JSON-lines files; text: .txt "
+        "files or directories (one document per file); parquet: parquet files; python_docs / python_code: "
+        "the built-in offline sample (English prose / stdlib sources shipped with Python)."
+    )
+    path: str | None = _doc("Hub id, or a local file, directory or glob.", default=None)
+    name: str | None = _doc("HF dataset configuration name (e.g. 20231101.en).", default=None)
+    split: str = _doc("HF split.", default="train")
+    data_files: str | None = _doc("HF data_files pattern (a subset of a hub dataset's files).", default=None)
+    streaming: bool = _doc("Stream from the hub instead of downloading the whole dataset first.", default=False)
+    text_field: str = _doc("Record field holding the document text (hf, jsonl, parquet).", default="text")
+    weight: float | None = _doc("Token weight inside the group; null = natural token proportion.", default=None)
+    max_documents: int | None = _doc("Read at most this many documents (samples a huge source).", default=None)
+    strip_gutenberg: bool = _doc("Strip Project Gutenberg headers/footers (*** START/END OF ... ***).", default=False)
+    normalize_newlines: bool = _doc("Convert CRLF/CR line ends to LF.", default=True)
+    min_chars: int = _doc("Drop (and count) documents shorter than this after cleaning.", default=1)
+    deduplicate: bool = _doc("Drop (and count) exact duplicate documents within the source.", default=True)
+
+
+@dataclass
+class GroupConfig:
+    """A group of sources sharing one token weight."""
+
+    weight: float = _doc("Share of training tokens (group weights are normalised to sum to 1).")
+    sources: dict[str, SourceConfig] = _doc("Named sources of this group.")
+
+
+@dataclass
+class MixConfig:
+    """Top level of a mix file (configs/data/*.yml, named by data.mix)."""
+
+    groups: dict[str, GroupConfig] = _doc("Named groups (e.g. text, code).")
+    description: str = _doc("Free text shown by inspect tools.", default="")

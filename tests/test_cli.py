@@ -1,0 +1,103 @@
+"""Every command line reports a user error as one line, ``error: MESSAGE``, with no traceback; notices
+print once, on rank 0, as console lines; library warnings are dropped only when listed as harmless."""
+
+from __future__ import annotations
+
+import ast
+import logging
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from megatron_lite import console
+from megatron_lite.cli import EXIT_USER_ERROR
+from script_loading import REPO, load_script
+
+BAD_KEY = ["--set", "train.no_such_key=1"]
+CONFIG = ["--config", "configs/tiny/rope.yml"]
+SCRIPTS = ["train.py", *sorted(f"tools/{path.name}" for path in (REPO / "tools").glob("*.py"))]
+
+
+def bad_arguments(script: str, tmp_path: Path) -> tuple[list[str], str]:
+    """(arguments, what the error names): a bad --set key where the command takes a config, else a path
+    that does not exist (a bad value for the benchmark, which reads neither)."""
+    missing = str(tmp_path / "missing")
+    return {
+        "tools/bench_attention.py": (["--seq-lens", "32", "--hidden-size", "64", "--num-heads", "5"], "must divide"),
+        "tools/bench_train.py": (["--config", missing, "--no-gpu"], missing),
+        "tools/convert_checkpoint.py": ([missing, str(tmp_path / "out"), "--to", "hf"], missing),
+        "tools/eval_long_context.py": (["--checkpoints", missing, "--out", str(tmp_path / "out"),
+                                        "--passkey-lengths", "64"], missing),
+        "tools/generate.py": ([missing], missing),
+        "tools/reproduce_tiny.py": (["--books", missing, "--eval-books", missing, "--out", str(tmp_path / "out")],
+                                    missing),
+    }.get(script, ([*CONFIG, *BAD_KEY], "unknown config key train.no_such_key"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_a_user_error_is_one_line(script: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    arguments, named = bad_arguments(script, tmp_path)
+    assert load_script(script).main(arguments) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and named in err, err
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_runs_through_the_cli_helper(script: str) -> None:
+    """main is decorated with @cli_main and the script ends in run_cli(main) (notices, harmless filters)."""
+    tree = ast.parse((REPO / script).read_text())
+    main = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == "main")
+    assert [ast.unparse(decorator) for decorator in main.decorator_list] == ["cli_main"]
+    assert ast.unparse(tree.body[-1]) == "if __name__ == '__main__':\n    run_cli(main)"
+
+
+def test_config_cli_reports_a_bad_key_in_one_line() -> None:
+    result = subprocess.run([sys.executable, "-m", "megatron_lite.config", *CONFIG, *BAD_KEY], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_USER_ERROR
+    assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_train_help_prints_the_whole_description() -> None:
+    result = subprocess.run([sys.executable, "train.py", "--help"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0
+    docstring = ast.get_docstring(ast.parse((REPO / "train.py").read_text()))
+    assert " ".join(docstring.split()) in " ".join(result.stdout.split())  # every sentence, to its end
+    assert result.stdout.rstrip().endswith("--train-iters 100")  # and the example after the options
+
+
+def _notice_here(message: str) -> None:
+    console.notice(message)
+
+
+def test_notices_print_once_on_rank_zero_and_only_listed_library_warnings_are_dropped(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    filters = list(deepspeed_logger.filters)
+    with warnings.catch_warnings():
+        console.show_notices()
+        try:
+            monkeypatch.setenv("RANK", "0")
+            _notice_here("resuming with train.lr changed")
+            _notice_here("resuming with train.lr changed")  # the same event again: printed once
+            monkeypatch.setenv("RANK", "1")
+            _notice_here("a notice raised on rank 1")
+            warnings.warn_explicit("`torch.distributed.all_gather_into_tensor` is deprecated.", FutureWarning,
+                                   "c10d_logger.py", 83, module="torch.distributed.c10d_logger")
+            warnings.warn_explicit("`frobnicate` is deprecated, use `twiddle`", FutureWarning, "somelib.py", 7,
+                                   module="somelib.core")
+            assert not deepspeed_logger.filter(logging.makeLogRecord(
+                {"msg": "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."}))
+            assert deepspeed_logger.filter(logging.makeLogRecord({"msg": "an unlisted DeepSpeed warning"}))
+        finally:
+            deepspeed_logger.filters[:] = filters
+    out, err = capsys.readouterr()
+    assert out == "warning: resuming with train.lr changed\n"  # rank 0 only, in the console's format
+    assert "frobnicate" in err and "FutureWarning" in err  # an unlisted library warning still shows, on every rank
+    assert "all_gather_into_tensor" not in err and "UserWarning" not in err
