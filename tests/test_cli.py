@@ -101,3 +101,20 @@ def test_notices_print_once_on_rank_zero_and_only_listed_library_warnings_are_dr
     assert out == "warning: resuming with train.lr changed\n"  # rank 0 only, in the console's format
     assert "frobnicate" in err and "FutureWarning" in err  # an unlisted library warning still shows, on every rank
     assert "all_gather_into_tensor" not in err and "UserWarning" not in err
+
+
+@pytest.mark.parametrize("broken", ["config", "mix"])
+def test_malformed_yaml_is_one_line_with_file_line_and_column(
+    broken: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(REPO)
+    bad = tmp_path / "broken.yml"
+    if broken == "config":
+        bad.write_text("model:\n  num_layers: 2\n  hidden_size: [64\ntrain:\n  lr: 1\n")
+        arguments, where = ["--config", str(bad)], f"{bad}:4:6: invalid YAML"
+    else:
+        bad.write_text("groups:\n  text:\n    weight: 0.75\n   sources: {a: 1}\n")
+        arguments, where = [*CONFIG, "--set", f"data.mix={bad}"], f"{bad}:4:4: invalid YAML"
+    assert load_script("tools/inspect_data.py").main(arguments) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and where in err, err

@@ -107,6 +107,8 @@ def test_dotted_overrides(tmp_path: Path) -> None:
         config_lib.load(path, ["model.position.scheme"])
     with pytest.raises(ValueError, match="is not a section"):
         config_lib.load(path, ["model.num_layers.x=1"])
+    with pytest.raises(ValueError, match=r"override 'model.hidden_size=\[3': the value is not valid YAML"):
+        config_lib.load(path, ["model.hidden_size=[3"])
 
 
 def test_save_load_round_trip(tmp_path: Path) -> None:
@@ -135,3 +137,11 @@ def test_every_key_is_documented_and_docs_are_current() -> None:
         walk(cls)
     assert (REPO / "docs/config.md").read_text() == config_lib.documentation_page(), \
         "run: python -m megatron_lite.config --doc > docs/config.md"
+
+
+def test_docs_name_the_current_hugging_face_cli() -> None:
+    """huggingface_hub >= 1.0 ships `hf` (`hf download`, `hf auth login`); `huggingface-cli` is gone."""
+    texts = {path: path.read_text() for path in [REPO / "README.md", *(REPO / "docs").glob("*.md"),
+                                                 *(REPO / "configs").rglob("*.yml")]}
+    assert not [str(path) for path, text in texts.items() if "huggingface-cli" in text]
+    assert "hf download wikimedia/wikipedia --repo-type dataset" in texts[REPO / "configs/data/paper_mix.yml"]

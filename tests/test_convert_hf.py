@@ -173,7 +173,17 @@ def test_stock_export_has_the_names_save_pretrained_writes(tmp_path: Path) -> No
                        "max_position_embeddings": 128, "position_scheme": "rope"}.items():
         assert written[key] == value, key
     assert written["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    assert written["rotary_pct"] == 0.25  # the v4 key, for loaders that default it to 0.25
     assert not (out / "modeling_megatron_lite.py").exists()
+
+
+@pytest.mark.parametrize(("scheme", "expected"), [("none", 0.0), ("alibi", 0.0), ("learned", 0.0), ("coca", 0.5)])
+def test_exported_rotary_pct_is_zero_without_rotary(tmp_path: Path, scheme: str, expected: float) -> None:
+    config = converter_config(scheme, **{"position.rotary_pct": 0.5})
+    written = json.loads((export(random_model(config), config, tmp_path / "hf") / "config.json").read_text())
+    assert written["rotary_pct"] == expected
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path / "hf", trust_remote_code=scheme not in ("none",))
+    assert loaded.rope_parameters["partial_rotary_factor"] == (0.0 if scheme == "none" else 0.5)
 
 
 def test_remote_code_export_is_self_contained(tmp_path: Path) -> None:

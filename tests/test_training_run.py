@@ -66,8 +66,12 @@ def test_exact_resume_single_rank(training_corpus, baseline: Path, tmp_path: Pat
     config = write_config(tmp_path / "config.yml", tiny_train_config(mix, cache, exit_interval=4))
     first = run_train(config, tmp_path / "run")
     assert "stopped by train.exit_interval at step 4" in first.stdout
+    with (tmp_path / "run/metrics.jsonl").open("a") as metrics:  # what a full disk leaves: half a row
+        metrics.write('{"step": 5, "loss": 2.71')
     second = run_train(config, tmp_path / "run")
     assert "resumed from" in second.stdout and "step_00000004" in second.stdout
+    assert f"warning: {tmp_path / 'run/metrics.jsonl'}: dropped its cut-off last line" in second.stdout
+    assert "Traceback" not in second.stderr
     assert train_losses(tmp_path / "run") == train_losses(baseline)  # the same trace, exactly
     losses = train_losses(baseline)
     assert f"loss {losses[1]:.4f} (step 1) -> {losses[8]:.4f} (step 8)" in second.stdout  # the whole run's, not X -> X

@@ -49,6 +49,18 @@ def test_rows_logged_after_the_resumed_step_are_dropped(tmp_path: Path) -> None:
     assert drop_rows_after(path, 0) == 5 and read_metrics(path) == []  # a fresh start: the old attempt is gone
 
 
+def test_a_cut_off_metrics_row_is_dropped_and_a_bad_middle_row_named(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5}\n{"step": 3, "lo')  # a write cut off
+    assert [row["step"] for row in read_metrics(path)] == [1, 2]
+    with pytest.warns(Notice, match="dropped its cut-off last line"):
+        assert drop_rows_after(path, 2) == 0
+    assert path.read_text() == '{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5}\n'
+    path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2,\n{"step": 3, "loss": 2.5}\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON row"):
+        read_metrics(path)
+
+
 def test_wandb_online_without_key_falls_back_to_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc

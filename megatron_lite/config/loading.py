@@ -256,7 +256,12 @@ def parse_override(assignment: str) -> tuple[list[str], Any]:
     parts = key.strip().split(".")
     if not all(parts):
         raise ValueError(f"override {assignment!r}: empty key component")
-    return parts, yaml.safe_load(raw_value) if raw_value.strip() else None
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else None
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
+        raise ValueError(f"override {assignment!r}: the value is not valid YAML ({problem})") from None
+    return parts, value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -278,13 +283,27 @@ def with_overrides(config: Config, overrides: list[str]) -> Config:
     return from_dict(apply_overrides(to_dict(config), overrides))
 
 
+def read_yaml(path: Path) -> Any:
+    """The document in a YAML file (None when empty); a syntax error is one ValueError,
+    ``FILE:LINE:COLUMN: problem``, instead of PyYAML's multi-line report."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        raise ValueError(f"{where}: invalid YAML: {error.problem or error.context}") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"{path}: invalid YAML: {error}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start})") from None
+
+
 def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply ``--set`` style overrides, validate."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"config file {path} does not exist")
-    with path.open() as handle:
-        data = yaml.safe_load(handle) or {}
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     try:

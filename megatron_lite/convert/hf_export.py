@@ -46,11 +46,15 @@ def build_hf_config(config: Config, special_ids: dict[str, Any], dtype: torch.dt
     if uses_stock_model(config.model):
         from transformers import GPTNeoXConfig
 
-        return GPTNeoXConfig(**fields, architectures=["GPTNeoXForCausalLM"])
-    from megatron_lite.convert.hf_remote.configuration_megatron_lite import MegatronLiteConfig
+        hf_config = GPTNeoXConfig(**fields, architectures=["GPTNeoXForCausalLM"])
+    else:
+        from megatron_lite.convert.hf_remote.configuration_megatron_lite import MegatronLiteConfig
 
-    hf_config = MegatronLiteConfig(**fields, architectures=["MegatronLiteForCausalLM"])
-    hf_config.auto_map = dict(AUTO_MAP)
+        hf_config = MegatronLiteConfig(**fields, architectures=["MegatronLiteForCausalLM"])
+        hf_config.auto_map = dict(AUTO_MAP)
+    # The v4 key too, set after __init__ (which consumes it): GPT-NeoX-family loaders that read
+    # rotary_pct default it to 0.25 when it is missing.
+    hf_config.rotary_pct = config.model.position.rotary_pct if config.model.uses_rotary else 0.0
     return hf_config
 
 

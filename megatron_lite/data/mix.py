@@ -20,9 +20,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import yaml
-
 from megatron_lite.config import MixConfig, parse_dataclass
+from megatron_lite.config.loading import read_yaml
 
 
 def validate_mix(mix: MixConfig, origin: str = "mix") -> MixConfig:
@@ -58,7 +57,7 @@ def load_mix(path: str | Path) -> MixConfig:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"data.mix={str(path)!r}: file does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: top level must be a mapping")
     try:

@@ -145,18 +145,37 @@ class MetricsLogger:
             self._wandb = None
 
 
-def read_metrics(path: Path) -> list[dict[str, Any]]:
+def _parse_metrics(path: Path) -> tuple[list[dict[str, Any]], bool]:
+    """(rows, whether the last line was cut off). A cut-off last line is what a crash or a full disk
+    leaves mid-write; a bad line before it is a ValueError naming the file and line."""
     if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return [], False
+    lines = [(number, line) for number, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    rows: list[dict[str, Any]] = []
+    for index, (number, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            if index == len(lines) - 1:
+                return rows, True
+            raise ValueError(f"{path}:{number}: not a JSON row ({error.msg} at column {error.colno})") from None
+    return rows, False
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl, without a cut-off last line."""
+    return _parse_metrics(path)[0]
 
 
 def drop_rows_after(path: Path, step: int) -> int:
     """Remove rows logged after ``step``: an interrupted attempt logged them, and the run redoes those
-    steps from its checkpoint, so keeping them would give every such step two rows. Returns the count."""
-    rows = read_metrics(path)
+    steps from its checkpoint, so keeping them would give every such step two rows. A cut-off last row
+    is dropped too, with a notice. Returns the number of complete rows dropped."""
+    rows, cut_off = _parse_metrics(path)
+    if cut_off:
+        notice(f"{path}: dropped its cut-off last line (an interrupted write)")
     kept = [row for row in rows if row.get("step", 0) <= step]
-    if len(kept) < len(rows):
+    if len(kept) < len(rows) or cut_off:
         write_text_atomic(path, "".join(json.dumps(row) + "\n" for row in kept))  # a crash leaves old or new
     return len(rows) - len(kept)
 
