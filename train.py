@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", default="auto", metavar="auto|PATH|none",
                         help="auto: continue from the run dir's latest complete checkpoint if any (default); "
                              "PATH: a run or step dir; none: start fresh")
+    parser.add_argument("--verify-data", action="store_true",
+                        help="check every data shard's sha256 and token ids, even if the cache records them as "
+                             "verified (done once per shard set anyway)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return parser
 
@@ -41,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_lite.training.loop import run_training
 
     run_dir = args.run_dir or Path("runs") / Path(args.config).stem
-    return run_training(config, run_dir, resume=args.resume, train_iters=args.train_iters).exit_code
+    return run_training(config, run_dir, resume=args.resume, train_iters=args.train_iters,
+                        verify_data=args.verify_data).exit_code
 
 
 if __name__ == "__main__":

@@ -125,13 +125,15 @@ def _validate_train(config: Config) -> None:
     """Single-field checks of train.*; the batch triple needs the world size (training/deepspeed_config.py)."""
     train = config.train
     positive = ["train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "log_interval", "eval_iters",
-                "keep_last_checkpoints", "max_consecutive_nonfinite"]
+                "keep_last_checkpoints", "max_consecutive_nonfinite", "max_consecutive_failed_saves"]
     optional = [name for name in ("train_iters", "train_batch_size", "exit_interval") if getattr(train, name) is not None]
     for name in positive + optional:
         value = getattr(train, name)
         _require(value > 0, f"train.{name}={value}: must be positive")
     for name in ("eval_interval", "save_interval", "num_workers"):
         _require(getattr(train, name) >= 0, f"train.{name}={getattr(train, name)}: must be >= 0")
+    full = train.fault_injection.disk_full_bytes
+    _require(full >= 0, f"train.fault_injection.disk_full_bytes={full}: must be >= 0")
     _require(train.train_epochs > 0, f"train.train_epochs={train.train_epochs}: must be positive")
     _require(train.zero_stage in (0, 1, 2, 3), f"train.zero_stage={train.zero_stage}: must be 0, 1, 2 or 3")
     _require(train.lr > 0, f"train.lr={train.lr}: must be positive")

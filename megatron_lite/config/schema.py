@@ -249,6 +249,15 @@ class FaultInjectionConfig:
         "it is marked complete (simulates a crash mid-save).", default=None)
     fail_save_step: int | None = _doc(
         "Raise OSError while saving this step's checkpoint (simulates a full disk).", default=None)
+    disk_full_save_steps: list[int] = _doc(
+        "Steps whose checkpoint is written under a file-size limit of disk_full_bytes (RLIMIT_FSIZE, SIGXFSZ "
+        "ignored) on every rank: the kernel fails the writes past it, as on a full disk; restored after the save.",
+        default_factory=list,
+    )
+    disk_full_bytes: int = _doc("The file-size limit of disk_full_save_steps, in bytes.", default=0)
+    disk_full_after_agreement: bool = _doc(
+        "Apply the disk_full_save_steps limit only to rank 0's writes after all ranks agreed their files are "
+        "written (config.yml, tokenizer, COMPLETE, latest) instead of to the checkpoint files.", default=False)
 
 
 @dataclass
@@ -308,6 +317,10 @@ class TrainConfig:
     )
     max_consecutive_nonfinite: int = _doc(
         "Stop after this many optimizer steps in a row whose loss was NaN/inf (each is skipped).", default=5
+    )
+    max_consecutive_failed_saves: int = _doc(
+        "Stop (exit code 4) after this many checkpoint saves in a row failed on some rank (each is removed and "
+        "training goes on with the previous checkpoint as the latest).", default=3
     )
     peak_tflops: float | None = _doc(
         "Peak TFLOP/s per device for the MFU column; null means known GPUs' bf16/fp16 peaks, else no MFU.",

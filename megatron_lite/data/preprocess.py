@@ -36,6 +36,7 @@ from megatron_lite.data.mix import load_mix
 from megatron_lite.data.records import BadRecord
 from megatron_lite.data.sources import input_fingerprint, read_source
 from megatron_lite.data.tokenizer import TOKENIZER_FILE, Tokenizer, ensure_tokenizer
+from megatron_lite.data.verify import write_stamp
 from megatron_lite.files import file_sha256, json_sha256
 
 PIPELINE_VERSION = 1  # bump when cleaning or sharding changes what a source config produces
@@ -339,6 +340,9 @@ def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, 
     manifest.sources = {name: manifest.sources[name] for name in names}  # mix order; drops removed sources
     if old is None or dataclasses.asdict(old) != dataclasses.asdict(manifest):
         save_manifest(manifest, cache_dir)
+    written = [shard for name, record in manifest.sources.items() if status.get(name) == "built" for shard in record.shards]
+    if written:  # hashed just now from the files written: no need to read them again before training
+        write_stamp(cache_dir, manifest, written)
     if progress:
         print(format_report(manifest, cache_dir, status))
     return manifest

@@ -12,6 +12,8 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,42 +60,78 @@ def _rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+@contextmanager
+def _disk_full(limit: int | None) -> Iterator[None]:
+    """Fault injection: a real file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored so writes past it fail with
+    EFBIG, as on a full disk) for the body; the previous limit and handler are restored afterwards."""
+    if limit is None:
+        yield
+        return
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous_handler)
+
+
+def _describe_error(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
 def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Config, tokenizer_path: Path | None,
                     dist_info: DistributedInfo, keep_last: int) -> Path | None:
-    """Write one complete checkpoint; None (and the previous one intact) if any rank failed."""
+    """Write one complete checkpoint; None (and the previous one intact, still ``latest``) if any write on
+    any rank failed. Every rank returns after the same two all-rank agreements, so none waits on a failed one."""
     checkpoints = run_dir / checkpoint_dirs.CHECKPOINTS_DIR
     tag = checkpoint_dirs.step_tag(state.step)
     step_dir = checkpoints / tag
     faults = config.train.fault_injection
+    disk_full = faults.disk_full_bytes if state.step in faults.disk_full_save_steps else None
     error: Exception | None = None
     started = time.perf_counter()
     try:
-        if faults.fail_save_step == state.step:
-            raise OSError(28, f"No space left on device (fault injection at step {state.step})")
-        engine.save_checkpoint(str(checkpoints), tag=tag, client_state=state.to_client_state(), save_latest=False)
-        torch.save(_rng_state(), _rng_file(step_dir, dist_info.rank))
-        if faults.kill_during_save_step == state.step:
-            os.kill(os.getpid(), signal.SIGKILL)
-    except OSError as caught:
+        with _disk_full(None if faults.disk_full_after_agreement else disk_full):
+            if faults.fail_save_step == state.step:
+                raise OSError(28, f"No space left on device (fault injection at step {state.step})")
+            engine.save_checkpoint(str(checkpoints), tag=tag, client_state=state.to_client_state(), save_latest=False)
+            torch.save(_rng_state(), _rng_file(step_dir, dist_info.rank))
+            if faults.kill_during_save_step == state.step:
+                os.kill(os.getpid(), signal.SIGKILL)
+    except Exception as caught:  # torch.save raises RuntimeError on a full disk: any failure counts
         error = caught
     failures = all_reduce_sum([0.0 if error is None else 1.0], dist_info.device)[0]
+    if not failures and dist_info.is_main:  # rank 0's own writes, agreed on below before anyone returns
+        try:
+            with _disk_full(disk_full if faults.disk_full_after_agreement else None):
+                config_lib.save(config, step_dir / checkpoint_dirs.CONFIG_FILE)
+                if tokenizer_path is not None:
+                    shutil.copyfile(tokenizer_path, step_dir / checkpoint_dirs.TOKENIZER_FILE)
+                marker = {**state.__dict__, "world_size": dist_info.world_size,
+                          "zero_stage": config.train.zero_stage, "precision": config.precision,
+                          "seconds": round(time.perf_counter() - started, 3)}
+                write_text_atomic(step_dir / checkpoint_dirs.COMPLETE_MARKER, json.dumps(marker, indent=2) + "\n")
+                write_text_atomic(checkpoints / checkpoint_dirs.LATEST_FILE, tag + "\n")  # last: the commit point
+        except Exception as caught:
+            error = caught
+    if not failures:
+        failures = all_reduce_sum([0.0 if error is None else 1.0], dist_info.device)[0]
     if failures:
         if dist_info.is_main:
+            (step_dir / checkpoint_dirs.COMPLETE_MARKER).unlink(missing_ok=True)  # first, should removal stop midway
             shutil.rmtree(step_dir, ignore_errors=True)
             previous = checkpoint_dirs.latest_complete(checkpoints)
             notice(f"checkpoint at step {state.step} failed on {int(failures)} rank(s)"
-                   f"{f' ({error})' if error else ''}; the last complete checkpoint is "
-                   f"{previous if previous else 'none'}")
+                   f"{f' ({_describe_error(error)})' if error else ''}; removed {step_dir}; the last complete "
+                   f"checkpoint is {previous if previous else 'none'}")
         barrier()
         return None
     if dist_info.is_main:
-        config_lib.save(config, step_dir / checkpoint_dirs.CONFIG_FILE)
-        if tokenizer_path is not None:
-            shutil.copyfile(tokenizer_path, step_dir / checkpoint_dirs.TOKENIZER_FILE)
-        marker = {**state.__dict__, "world_size": dist_info.world_size, "zero_stage": config.train.zero_stage,
-                  "precision": config.precision, "seconds": round(time.perf_counter() - started, 3)}
-        write_text_atomic(step_dir / checkpoint_dirs.COMPLETE_MARKER, json.dumps(marker, indent=2) + "\n")
-        write_text_atomic(checkpoints / checkpoint_dirs.LATEST_FILE, tag + "\n")
         for old in checkpoint_dirs.complete_checkpoints(checkpoints)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()

@@ -13,6 +13,7 @@ from megatron_lite.config import Config, MixConfig
 from megatron_lite.data.loader import build_train_valid_datasets
 from megatron_lite.data.manifest import Manifest, load_manifest
 from megatron_lite.data.mix import load_mix
+from megatron_lite.data.verify import ShardVerificationError, ensure_verified
 from megatron_lite.training.deepspeed_config import BatchSizes
 from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, barrier
 
@@ -40,9 +41,10 @@ class TrainingData:
         return train_loader, valid_loader
 
 
-def _prepare_on_rank0(config: Config, dist_info: DistributedInfo) -> MixConfig:
-    """Rank 0 parses the mix and tokenises (cached after the first run); every rank learns whether it
-    worked; returns the mix (the other ranks parse it once preparation succeeded)."""
+def _prepare_on_rank0(config: Config, dist_info: DistributedInfo, verify_data: bool = False) -> MixConfig:
+    """Rank 0 parses the mix, tokenises (cached after the first run) and verifies the shards not yet
+    verified (all of them when ``verify_data``; data/verify.py) before any rank opens them; every rank
+    learns whether it worked; returns the mix (the other ranks parse it once preparation succeeded)."""
     from megatron_lite.data.preprocess import prepare_data
 
     error: Exception | None = None
@@ -50,10 +52,13 @@ def _prepare_on_rank0(config: Config, dist_info: DistributedInfo) -> MixConfig:
     if dist_info.is_main:
         try:
             mix = load_mix(config.data.mix)
-            prepare_data(config.data, config.model.vocab_size, mix=mix)
+            manifest = prepare_data(config.data, config.model.vocab_size, mix=mix)
+            ensure_verified(config.data.cache_dir, manifest, force=verify_data)
         except (ValueError, OSError) as caught:
             error = caught
     failed = all_reduce_sum([1.0 if error is not None else 0.0], dist_info.device)[0]
+    if isinstance(error, ShardVerificationError):
+        raise error  # already one line naming the shard
     if error is not None:
         raise ValueError(f"data: {error}") from error
     if failed:
@@ -76,9 +81,9 @@ def total_steps_for(config: Config, manifest: Manifest, batch: BatchSizes, train
     return steps, f"train.train_epochs={config.train.train_epochs} over {tokens:,.0f} training tokens"
 
 
-def prepare_training_data(config: Config, batch: BatchSizes, dist_info: DistributedInfo, train_iters: int | None
-                          ) -> TrainingData:
-    mix = _prepare_on_rank0(config, dist_info)
+def prepare_training_data(config: Config, batch: BatchSizes, dist_info: DistributedInfo, train_iters: int | None,
+                          verify_data: bool = False) -> TrainingData:
+    mix = _prepare_on_rank0(config, dist_info, verify_data)
     manifest = load_manifest(config.data.cache_dir)
     vocab = manifest.tokenizer.vocab_size
     if vocab > config.model.padded_vocab_size:

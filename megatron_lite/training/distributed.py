@@ -44,8 +44,11 @@ def single_process_env() -> None:
 def init_distributed() -> DistributedInfo:
     import deepspeed
 
+    from megatron_lite.training.jit_lock import watch_jit_locks
+
     single_process_env()
-    deepspeed.init_distributed()
+    with watch_jit_locks():  # it JIT-builds DeepSpeed's CPU comm op once; a stale lock would hang it silently
+        deepspeed.init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():

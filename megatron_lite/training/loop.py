@@ -36,6 +36,7 @@ from megatron_lite.weights import load_state_dict, load_weights
 
 EXIT_OK = 0
 EXIT_NONFINITE = 3
+EXIT_FAILED_SAVES = 4
 
 
 @dataclass
@@ -47,12 +48,12 @@ class TrainingResult:
     final_loss: float | None  # its last logged training loss (rank 0)
     val_loss: float | None
     skipped_steps: int
-    stopped_by: str  # "completed" | "already_complete" | "signal" | "exit_interval" | "nonfinite"
+    stopped_by: str  # "completed" | "already_complete" | "signal" | "exit_interval" | "nonfinite" | "failed_saves"
     last_checkpoint: Path | None
 
     @property
     def exit_code(self) -> int:
-        return EXIT_NONFINITE if self.stopped_by == "nonfinite" else EXIT_OK
+        return {"nonfinite": EXIT_NONFINITE, "failed_saves": EXIT_FAILED_SAVES}.get(self.stopped_by, EXIT_OK)
 
 
 class StopRequest:
@@ -140,14 +141,16 @@ class _Throughput:
         return elapsed, steps
 
 
-def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iters: int | None = None) -> TrainingResult:
-    """Train ``config`` into ``run_dir``; see README "Training" for everything it writes."""
+def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iters: int | None = None,
+                 verify_data: bool = False) -> TrainingResult:
+    """Train ``config`` into ``run_dir``; see README "Training" for everything it writes. ``verify_data``
+    checks every shard even where the cache's stamp says it was verified (train.py --verify-data)."""
     import deepspeed
 
     dist_info = init_distributed()
     batch_sizes = resolve_batch_sizes(config, dist_info.world_size)  # ValueError before any work
     run_dir.mkdir(parents=True, exist_ok=True)
-    data = prepare_training_data(config, batch_sizes, dist_info, train_iters)
+    data = prepare_training_data(config, batch_sizes, dist_info, train_iters, verify_data=verify_data)
     config.train.train_iters = data.total_steps  # resolved, so checkpoints record it
     if dist_info.is_main:
         config_lib.save(config, run_dir / checkpoint_dirs.CONFIG_FILE)
@@ -197,6 +200,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
     train = config.train
     injected = set(train.fault_injection.nonfinite_loss_steps)
     consecutive_nonfinite = 0
+    consecutive_failed_saves = 0
     losses = metrics_lib.LossWindow(train.log_interval)
     throughput = _Throughput()
     iterator = iter(train_loader)
@@ -261,6 +265,15 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
                 result.last_checkpoint = saved or result.last_checkpoint
                 if saved and dist_info.is_main:
                     console(f"saved checkpoint {saved}")
+                consecutive_failed_saves = 0 if saved else consecutive_failed_saves + 1
+                if consecutive_failed_saves >= train.max_consecutive_failed_saves:  # every rank agrees on `saved`
+                    last_good = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
+                    if dist_info.is_main:
+                        console(f"stopping: {consecutive_failed_saves} consecutive checkpoint saves failed, the last "
+                                f"at step {state.step}; last good checkpoint: {last_good or 'none'} (free disk space "
+                                "or fix the cause, then resume with --resume auto)")
+                    result.stopped_by, result.last_checkpoint = "failed_saves", last_good
+                    break
             throughput.exclude_since(side_work_start)
             if stopping:
                 reason = "train.exit_interval" if exit_now else stop.signal_name or "a signal on another rank"

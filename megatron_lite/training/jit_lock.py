@@ -1,0 +1,83 @@
+"""Watching DeepSpeed's one-time JIT build of its CPU communication op for a stale lock.
+
+``deepspeed.init_distributed`` builds (or loads) ``deepspeed_shm_comm`` through
+``torch.utils.cpp_extension``, which guards the build directory with a ``lock`` file and makes every
+other process sleep until it disappears. A builder killed mid-build (SIGKILL, OOM) leaves the file
+behind, and the file holds no process id, so a dead builder cannot be told from a slow one: every
+later run then waits forever without a word. While start-up waits, a watcher thread names any such
+lock file after ``LOCK_WARN_ENV`` seconds (default 60) and keeps naming it every as many seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from megatron_lite.console import notice
+
+LOCK_WARN_ENV = "MEGATRON_LITE_JIT_LOCK_WARN_SECONDS"
+DEFAULT_WARN_SECONDS = 60.0
+
+
+def extensions_root() -> Path:
+    """Where torch.utils.cpp_extension builds JIT ops: ``TORCH_EXTENSIONS_DIR`` or its default root."""
+    configured = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if configured:
+        return Path(configured)
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())
+
+
+def lock_files(root: Path) -> list[Path]:
+    """``lock`` files of build directories: ``ROOT/<op>/lock`` (TORCH_EXTENSIONS_DIR) or
+    ``ROOT/<python_accelerator>/<op>/lock`` (the default root)."""
+    return sorted({*root.glob("*/lock"), *root.glob("*/*/lock")})
+
+
+def _describe(lock: Path) -> str | None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:  # released meanwhile
+        return None
+    return (f"waiting for the JIT build lock {lock} (age {age:.0f} s): a build killed before it finished leaves it "
+            "behind; delete it if no build is running")
+
+
+def warn_seconds() -> float:
+    value = os.environ.get(LOCK_WARN_ENV)
+    if not value:
+        return DEFAULT_WARN_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0  # reported below, with the same message as a non-positive value
+    if not seconds > 0:
+        raise ValueError(f"{LOCK_WARN_ENV}={value!r}: expected a positive number of seconds")
+    return seconds
+
+
+@contextmanager
+def watch_jit_locks(seconds: float | None = None) -> Iterator[None]:
+    """While the body runs: after ``seconds`` (and every ``seconds`` after), a notice per lock file."""
+    period = warn_seconds() if seconds is None else seconds
+    root = extensions_root()
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(period):
+            for lock in lock_files(root):
+                message = _describe(lock)
+                if message is not None and not done.is_set():
+                    notice(message)
+
+    watcher = threading.Thread(target=watch, name="jit-lock-watcher", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()

@@ -1,0 +1,133 @@
+"""Data verification (data/verify.py): real faults in real shards made by the real preprocessing: a
+flipped byte, an out-of-range token id; the stamp that makes it once per shard set; --verify-data."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_lite import config as config_lib
+from megatron_lite.data.indexed import IndexedDataset
+from megatron_lite.data.manifest import Manifest, ShardRecord, load_manifest, save_manifest
+from megatron_lite.data.verify import (ShardVerificationError, ensure_verified, stamp_path, unverified_shards,
+                                       verify_shards)
+from megatron_lite.files import file_sha256
+from megatron_lite.training.data import prepare_training_data
+from megatron_lite.training.deepspeed_config import resolve_batch_sizes
+from megatron_lite.training.distributed import DistributedInfo
+from training_helpers import run_train, tiny_train_config, write_config
+
+
+@pytest.fixture
+def corpus(training_corpus: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path]:
+    """(mix file, a private copy of the session's tokenised cache) to damage."""
+    mix, cache = training_corpus
+    shutil.copytree(cache, tmp_path / "cache", ignore=shutil.ignore_patterns("index"))
+    return mix, tmp_path / "cache"
+
+
+def _first_shard(cache: Path) -> tuple[Manifest, ShardRecord, Path]:
+    manifest = load_manifest(cache)
+    shard = next(iter(manifest.sources.values())).shards[0]
+    return manifest, shard, cache / (shard.prefix + ".bin")
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _write_token(cache: Path, position: int, token: int) -> Path:
+    """Put ``token`` into the first shard's .bin and record the new hash in the manifest, as a shard made with
+    another tokenizer would be (the sha256 check alone cannot catch it)."""
+    manifest, shard, bin_path = _first_shard(cache)
+    tokens = np.memmap(bin_path, dtype=IndexedDataset(cache / shard.prefix).dtype, mode="r+")
+    tokens[position] = token
+    tokens.flush()
+    del tokens
+    shard.bin_sha256 = file_sha256(bin_path)
+    save_manifest(manifest, cache)
+    return bin_path
+
+
+def _one_line(error: pytest.ExceptionInfo[ShardVerificationError]) -> str:
+    message = str(error.value)
+    assert "\n" not in message
+    return message
+
+
+def test_preprocessing_stamps_the_shards_it_wrote(corpus: tuple[Path, Path],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    _, cache = corpus
+    manifest = load_manifest(cache)
+    stamp = json.loads(stamp_path(cache).read_text())
+    assert stamp["vocab_size"] == manifest.tokenizer.vocab_size
+    assert len(stamp["shards"]) == sum(len(record.shards) for record in manifest.sources.values())
+    assert unverified_shards(cache, manifest) == [] and ensure_verified(cache, manifest) == []  # nothing to read
+    checked = ensure_verified(cache, manifest, force=True)
+    assert len(checked) == len(stamp["shards"])
+    assert f"data: verified {len(checked)} shard(s)" in capsys.readouterr().out
+
+
+def test_flipped_bytes_name_the_file(corpus: tuple[Path, Path]) -> None:
+    _, cache = corpus
+    manifest, shard, bin_path = _first_shard(cache)
+    _flip_byte(bin_path, bin_path.stat().st_size // 2)
+    with pytest.raises(ShardVerificationError) as error:
+        verify_shards(cache, manifest, [shard], progress=False)
+    assert _one_line(error) == (f"{bin_path}: sha256 differs from the manifest (corrupted or changed since "
+                                "preprocessing); re-run preprocessing with --force or restore the file")
+    idx_path = cache / (shard.prefix + ".idx")
+    _flip_byte(idx_path, idx_path.stat().st_size - 3)
+    with pytest.raises(ShardVerificationError) as error:
+        verify_shards(cache, manifest, [shard], progress=False)
+    assert _one_line(error).startswith(f"{idx_path}: sha256 differs from the manifest")
+
+
+def test_out_of_range_token_id_is_found_and_a_changed_manifest_voids_the_stamp(corpus: tuple[Path, Path]) -> None:
+    _, cache = corpus
+    vocab = load_manifest(cache).tokenizer.vocab_size
+    bin_path = _write_token(cache, 5, vocab + 7)
+    manifest = load_manifest(cache)
+    assert [shard.prefix for shard in unverified_shards(cache, manifest)] == [_first_shard(cache)[1].prefix]
+    with pytest.raises(ShardVerificationError) as error:
+        ensure_verified(cache, manifest, progress=False)  # no force: the stamp no longer vouches for the shard
+    assert _one_line(error).startswith(f"{bin_path}: token id {vocab + 7} at position 5 >= vocabulary size {vocab}")
+
+
+def test_training_data_verifies_once_and_verify_data_forces(corpus: tuple[Path, Path]) -> None:
+    mix, cache = corpus
+    config = config_lib.from_dict(tiny_train_config(mix, cache))
+    batch, rank0 = resolve_batch_sizes(config, 1), DistributedInfo(0, 0, 1, torch.device("cpu"))
+    stamp_path(cache).unlink()  # a cache never verified here (copied from elsewhere)
+    prepare_training_data(config, batch, rank0, None)  # verifies and stamps
+    assert unverified_shards(cache, load_manifest(cache)) == []
+    _, _, bin_path = _first_shard(cache)
+    _flip_byte(bin_path, 1)
+    prepare_training_data(config, batch, rank0, None)  # stamped: not read again
+    with pytest.raises(ShardVerificationError) as error:
+        prepare_training_data(config, batch, rank0, None, verify_data=True)
+    assert _one_line(error).startswith(f"{bin_path}: sha256 differs from the manifest")
+
+
+@pytest.mark.parametrize("fault", ["flipped_byte", "token_id"])
+def test_train_py_reports_a_bad_shard_in_one_line(fault: str, corpus: tuple[Path, Path], tmp_path: Path) -> None:
+    mix, cache = corpus
+    vocab = load_manifest(cache).tokenizer.vocab_size
+    if fault == "flipped_byte":
+        bin_path, extra, problem = _first_shard(cache)[2], ["--verify-data"], "sha256 differs from the manifest"
+        _flip_byte(bin_path, 9)
+    else:  # a changed manifest entry is verified without --verify-data
+        bin_path, extra, problem = _write_token(cache, 2, vocab), [], f"token id {vocab} at position 2"
+    config = write_config(tmp_path / "run.yml", tiny_train_config(mix, cache))
+    result = run_train(config, tmp_path / "run", *extra, check=False)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {bin_path}: {problem}"), result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
