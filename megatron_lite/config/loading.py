@@ -300,14 +300,21 @@ def read_yaml(path: Path) -> Any:
         raise ValueError(f"{path}: not UTF-8 text (byte {error.start})") from None
 
 
-def load(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config, apply ``--set`` style overrides, validate."""
-    path = Path(path)
+def read_yaml_mapping(path: Path, missing: str) -> dict[str, Any]:
+    """The top-level mapping of a YAML config or mix file (empty for an empty file); ValueError
+    ``missing`` when there is no such file, one line for a syntax error or another top level."""
     if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
+        raise ValueError(missing)
     data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def load(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config, apply ``--set`` style overrides, validate."""
+    path = Path(path)
+    data = read_yaml_mapping(path, f"config file {path} does not exist")
     try:
         return from_dict(apply_overrides(data, overrides or []))
     except ValueError as error:

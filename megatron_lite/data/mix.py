@@ -21,7 +21,7 @@ import math
 from pathlib import Path
 
 from megatron_lite.config import MixConfig, parse_dataclass
-from megatron_lite.config.loading import read_yaml
+from megatron_lite.config.loading import read_yaml_mapping
 
 
 def validate_mix(mix: MixConfig, origin: str = "mix") -> MixConfig:
@@ -55,11 +55,7 @@ def validate_mix(mix: MixConfig, origin: str = "mix") -> MixConfig:
 
 def load_mix(path: str | Path) -> MixConfig:
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"data.mix={str(path)!r}: file does not exist")
-    data = read_yaml(path) or {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: top level must be a mapping")
+    data = read_yaml_mapping(path, f"data.mix={str(path)!r}: file does not exist")
     try:
         return validate_mix(parse_dataclass(MixConfig, data), str(path))
     except ValueError as error:

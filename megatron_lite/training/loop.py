@@ -193,7 +193,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
         console(optimizer.groups_summary)
         if logger.dropped_rows:
             console(f"metrics.jsonl: dropped {logger.dropped_rows} row(s) logged after step {state.step} "
-                                "by the interrupted attempt (those steps are redone)")
+                    "by the interrupted attempt (those steps are redone)")
 
     result = TrainingResult(run_dir, state.step, data.total_steps, None, None, None, state.skipped_steps, "completed",
                             resume_dir)
@@ -230,7 +230,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
                 logger.log({"step": state.step, "loss": None, "nonfinite_loss": True, "skipped_steps": state.skipped_steps})
                 if dist_info.is_main:
                     console(f"step {state.step}: non-finite loss, update skipped "
-                                        f"({consecutive_nonfinite} in a row, {state.skipped_steps} in total)")
+                            f"({consecutive_nonfinite} in a row, {state.skipped_steps} in total)")
                 if consecutive_nonfinite >= train.max_consecutive_nonfinite:
                     last_good = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
                     if dist_info.is_main:
@@ -297,7 +297,7 @@ def _already_complete(run_dir: Path, step_dir: Path, marker: dict[str, Any], tot
                             "already_complete", step_dir)
     if dist_info.is_main:
         console(f"already complete at step {marker['step']}/{total_steps} ({step_dir}): nothing to "
-                            "train; raise --train-iters to train further")
+                "train; raise --train-iters to train further")
         curve = run_dir / "loss_curve.png"
         _print_summary(result, run_dir, curve if curve.is_file() else None)
     return result
