@@ -11,6 +11,8 @@ Layout written by the training loop (``megatron_lite.training``)::
           *_optim_states.pt
           config.yml                       the config that produced it
           tokenizer.model                  the SentencePiece model the data was tokenised with
+          rng_state_rank00000.pt           each rank's RNG state
+          MANIFEST.json                    every file's size, sha256 and writing rank (checkpoint_integrity)
           COMPLETE                         marker: every rank finished writing (JSON summary)
 
 A *consolidated* directory holds ``config.yml`` + ``model.safetensors`` (+ ``tokenizer.model``);

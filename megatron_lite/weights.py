@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from megatron_lite import checkpoint_dirs
+from megatron_lite.checkpoint_integrity import MANIFEST_FILE, safe_load, verify_or_raise
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config, ModelConfig
 from megatron_lite.console import notice
@@ -23,17 +24,25 @@ from megatron_lite.files import apply_umask
 
 
 def _zero_stage(step_dir: Path) -> int:
-    """The stage from the ds_config DeepSpeed stores in every model-states file (tensors and plain
-    values only, so weights_only=True loads it; the optimizer files pickle DeepSpeed classes)."""
+    """The stage from the ds_config DeepSpeed stores in every model-states file."""
     files = sorted(step_dir.glob("*model_states.pt"))
     if not files:
         raise ValueError(f"{step_dir}: no *model_states.pt")
-    state = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+    state = safe_load(files[0], mmap=True)
     return int((state.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
 
 
 def load_step_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
-    """fp32 weights of one DeepSpeed tag dir, any ZeRO stage and world size (DeepSpeed's own utilities)."""
+    """fp32 weights of one DeepSpeed tag dir, any ZeRO stage and world size (DeepSpeed's own utilities).
+
+    The step dir is verified first (``checkpoint_integrity``): every file against its manifest, every
+    pickle loaded with weights_only=True and the allow-list, so DeepSpeed's ``zero_to_fp32`` (which
+    unpickles with weights_only=False) only ever sees files that hold checkpoint types.
+    """
+    result = verify_or_raise(step_dir)
+    if not result.has_manifest:
+        notice(f"{step_dir}: no {MANIFEST_FILE} (not saved by megatron_lite's training loop, or by an older version): file checksums not verified",
+               stacklevel=3)
     if _zero_stage(step_dir) > 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
@@ -42,8 +51,7 @@ def load_step_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
         files = sorted(step_dir.glob("mp_rank_*_model_states.pt"))
         if not files:
             raise ValueError(f"{step_dir}: no mp_rank_*_model_states.pt")
-        # zero_to_fp32 (above) unpickles with weights_only=False inside DeepSpeed; here we need not.
-        state = torch.load(files[0], map_location="cpu", weights_only=True)["module"]
+        state = safe_load(files[0])["module"]
     return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()}
 
 

@@ -212,7 +212,7 @@ def test_failed_save_is_reported_and_previous_checkpoint_kept(training_corpus, t
 
 def test_disk_full_saves_are_dropped_then_stop_the_run_and_resume_exactly(training_corpus, baseline: Path,
                                                                            tmp_path: Path) -> None:
-    """A real full disk (RLIMIT_FSIZE during the saves of steps 4 and 6): torch.save's RuntimeError is caught,
+    """A real full disk (RLIMIT_FSIZE during the saves of steps 4 and 6): the failed writes are caught,
     the partial step dirs removed, training goes on after the first and stops cleanly after 2 in a row."""
     mix, cache = training_corpus
     faults = {"disk_full_save_steps": [4, 6], "disk_full_bytes": 0}
@@ -222,7 +222,7 @@ def test_disk_full_saves_are_dropped_then_stop_the_run_and_resume_exactly(traini
     output = failed.stdout + failed.stderr
     assert failed.returncode == 4, output[-3000:]
     assert "Traceback" not in output
-    assert "warning: checkpoint at step 4 failed on 1 rank(s) (RuntimeError: " in failed.stdout
+    assert "warning: checkpoint at step 4 failed on 1 rank(s) (OSError: [Errno 27] File too large" in failed.stdout
     assert "warning: checkpoint at step 6 failed" in failed.stdout
     assert "stopping: 2 consecutive checkpoint saves failed, the last at step 6" in failed.stdout
     checkpoints = tmp_path / "run" / checkpoint_dirs.CHECKPOINTS_DIR
@@ -234,11 +234,20 @@ def test_disk_full_saves_are_dropped_then_stop_the_run_and_resume_exactly(traini
     assert_bitwise_equal(weights(checkpoints / "step_00000008"), weights(baseline / "checkpoints/step_00000008"))
 
 
-def test_two_ranks_rank0_write_failing_after_agreement_neither_rank_hangs(training_corpus, tmp_path: Path) -> None:
-    """Rank 0's config/COMPLETE/latest writes of step 2 hit a real file-size limit after both ranks wrote their
-    files: both ranks agree the save failed and train on; step 4 saves normally."""
+@pytest.mark.parametrize(("where", "expected"), [
+    # rank 0's config/MANIFEST/COMPLETE/latest writes, after both ranks wrote their files
+    ({"disk_full_after_agreement": True}, "failed on 1 rank(s) (OSError: [Errno 27] File too large"),
+    # rank 1's optimizer-state write inside engine.save_checkpoint, between DeepSpeed's own barriers
+    ({"disk_full_rank": 1}, "failed on 1 rank(s); removed"),
+], ids=["rank0_after_agreement", "rank1_inside_deepspeed"])
+def test_two_ranks_one_rank_write_failing_neither_rank_hangs(training_corpus, tmp_path: Path, where: dict,
+                                                             expected: str) -> None:
+    """One rank's write of step 2 hits a real file-size limit: both ranks agree the save failed and train on;
+    step 4 saves normally, its manifest listing both ranks' files."""
+    from megatron_lite.checkpoint_integrity import read_manifest
+
     mix, cache = training_corpus
-    faults = {"disk_full_save_steps": [2], "disk_full_bytes": 0, "disk_full_after_agreement": True}
+    faults = {"disk_full_save_steps": [2], "disk_full_bytes": 0, **where}
     config = write_config(tmp_path / "config.yml", tiny_train_config(
         mix, cache, train_iters=4, save_interval=2, eval_interval=0, zero_stage=2, gradient_accumulation_steps=1,
         fault_injection=faults))
@@ -246,11 +255,12 @@ def test_two_ranks_rank0_write_failing_after_agreement_neither_rank_hangs(traini
     result = run_train(config, tmp_path / "run", ranks=2, timeout=240)
     elapsed = time.perf_counter() - started
     output = result.stdout + result.stderr
-    assert "warning: checkpoint at step 2 failed on 1 rank(s) (OSError: [Errno 27] File too large" in result.stdout
+    assert f"warning: checkpoint at step 2 {expected}" in result.stdout
     assert "Traceback" not in output
     checkpoints = tmp_path / "run" / checkpoint_dirs.CHECKPOINTS_DIR
     assert not (checkpoints / "step_00000002").exists()
     assert checkpoint_dirs.latest_complete(checkpoints) == checkpoints / "step_00000004"
+    assert {record.rank for record in (read_manifest(checkpoints / "step_00000004") or {}).values()} == {0, 1}
     assert sorted(train_losses(tmp_path / "run")) == [1, 2, 3, 4]
     assert elapsed < 180, f"{elapsed:.0f} s"
 

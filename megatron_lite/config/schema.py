@@ -17,7 +17,7 @@ SchemeName = Literal["none", "learned", "sinusoidal", "alibi", "rope", "coca"]
 CocaConstraint = Literal["slack", "strict"]
 ScalingType = Literal["none", "linear", "ntk", "dynamic", "yarn"]
 AttentionBackend = Literal["sdpa", "flash", "chunked", "reference"]
-SourceType = Literal["hf", "jsonl", "text", "parquet", "python_docs", "python_code"]
+SourceType = Literal["hf", "jsonl", "text", "parquet", "python_docs", "python_code", "megatron"]
 
 SCHEMES: tuple[str, ...] = typing.get_args(SchemeName)
 ROTARY_SCHEMES: tuple[str, ...] = ("rope", "coca")
@@ -251,13 +251,17 @@ class FaultInjectionConfig:
         "Raise OSError while saving this step's checkpoint (simulates a full disk).", default=None)
     disk_full_save_steps: list[int] = _doc(
         "Steps whose checkpoint is written under a file-size limit of disk_full_bytes (RLIMIT_FSIZE, SIGXFSZ "
-        "ignored) on every rank: the kernel fails the writes past it, as on a full disk; restored after the save.",
+        "ignored) on every rank (or disk_full_rank): the kernel fails the writes past it, as on a full disk; "
+        "restored after the save.",
         default_factory=list,
     )
     disk_full_bytes: int = _doc("The file-size limit of disk_full_save_steps, in bytes.", default=0)
+    disk_full_rank: int | None = _doc(
+        "Apply the disk_full_save_steps limit on this rank only; null = every rank.", default=None)
     disk_full_after_agreement: bool = _doc(
         "Apply the disk_full_save_steps limit only to rank 0's writes after all ranks agreed their files are "
-        "written (config.yml, tokenizer, COMPLETE, latest) instead of to the checkpoint files.", default=False)
+        "written (config.yml, tokenizer, MANIFEST.json, COMPLETE, latest) instead of to the checkpoint files.",
+        default=False)
 
 
 @dataclass
@@ -364,9 +368,13 @@ class SourceConfig:
     type: SourceType = _doc(
         "hf: a datasets hub id or local dataset dir (load_dataset); jsonl: JSON-lines files; text: .txt "
         "files or directories (one document per file); parquet: parquet files; python_docs / python_code: "
-        "the built-in offline sample (English prose / stdlib sources shipped with Python)."
+        "the built-in offline sample (English prose / stdlib sources shipped with Python); megatron: existing "
+        "Megatron-LM/GPT-NeoX MMIDIDX shards (.bin/.idx), read in place without re-tokenising (the text "
+        "settings below do not apply to it; max_documents is refused)."
     )
-    path: str | None = _doc("Hub id, or a local file, directory or glob.", default=None)
+    path: str | None = _doc(
+        "Hub id, or a local file, directory or glob. megatron: a shard prefix (without .bin/.idx), a directory "
+        "(every *.idx below it, with its .bin) or a glob of .bin/.idx files or prefixes.", default=None)
     name: str | None = _doc("HF dataset configuration name (e.g. 20231101.en).", default=None)
     split: str = _doc("HF split.", default="train")
     data_files: str | None = _doc("HF data_files pattern (a subset of a hub dataset's files).", default=None)
@@ -378,6 +386,9 @@ class SourceConfig:
     normalize_newlines: bool = _doc("Convert CRLF/CR line ends to LF.", default=True)
     min_chars: int = _doc("Drop (and count) documents shorter than this after cleaning.", default=1)
     deduplicate: bool = _doc("Drop (and count) exact duplicate documents within the source.", default=True)
+    tokenizer: str | None = _doc(
+        "megatron: the SentencePiece model the shards were tokenised with; must be the run's "
+        "data.tokenizer.model (the same bytes).", default=None)
 
 
 @dataclass

@@ -16,6 +16,10 @@ Layout (little-endian; Megatron ``MMapIndexedDataset``, Megatron-Core identical)
 Codes 6/7 mean float32/float64 in some Megatron copies and other types in others, so they are
 never written and reading them is an error. Sequences of a document are adjacent in ``.bin``,
 so a document is one contiguous (zero-copy) slice.
+
+Variants found in the wild: GPT-NeoX ``merge_datasets.py`` writes doc_idx = [0] (D = 1) for N > 0
+sequences, readable with ``unindexed_as_sequences=True`` as one document per sequence; Megatron-core
+``multimodal=True`` appends ``int8[N] sequence_modes`` after doc_idx, which is refused by name.
 """
 
 from __future__ import annotations
@@ -231,10 +235,15 @@ class IndexedDataset:
     pages touched are read.
     """
 
-    def __init__(self, prefix: str | os.PathLike[str]) -> None:
+    def __init__(self, prefix: str | os.PathLike[str], unindexed_as_sequences: bool = False) -> None:
+        """``unindexed_as_sequences``: accept a merged set without document boundaries (doc_idx == [0]
+        with N > 0, GPT-NeoX ``merge_datasets.py`` output) and read each sequence as one document.
+        Off by default so our own shards stay strictly validated; ``self.unindexed`` says it applied."""
         self.prefix = os.fspath(prefix)
         self.idx_path = index_file_path(self.prefix)
         self.bin_path = data_file_path(self.prefix)
+        self.unindexed_as_sequences = unindexed_as_sequences
+        self.unindexed = False
         self._open()
 
     def _fail(self, path: str, problem: str) -> IndexedDatasetError:
@@ -265,6 +274,9 @@ class IndexedDataset:
         expected = HEADER_SIZE + 4 * n + 8 * n + 8 * d
         if idx_size < expected:
             raise self._fail(idx, f"truncated: {idx_size} bytes, header declares N={n}, D={d} -> {expected} bytes")
+        if n and idx_size == expected + n:  # Megatron-core IndexedDataset(multimodal=True): int8[N] modes
+            raise self._fail(idx, f"a Megatron-core multimodal index ({n} extra bytes of sequence_modes after "
+                                  "doc_idx); only text (non-multimodal) shards are supported")
         if idx_size > expected:
             raise self._fail(idx, f"trailing garbage: {idx_size - expected} bytes after the declared arrays")
 
@@ -295,8 +307,13 @@ class IndexedDataset:
             raise self._fail(idx, "doc_idx must start at 0")
         if d > 1 and bool((np.diff(self.doc_idx) < 0).any()):
             raise self._fail(idx, "doc_idx is not non-decreasing")
+        if d == 1 and n > 0 and self.unindexed_as_sequences:
+            self.doc_idx = np.arange(n + 1, dtype="<i8")  # (N+1,) one document per sequence
+            self.unindexed = True
         if int(self.doc_idx[-1]) != n:
-            raise self._fail(idx, f"doc_idx last entry {int(self.doc_idx[-1])} != number of sequences {n}")
+            hint = (" (a merged set without document boundaries; a mix reads it as type: megatron)"
+                    if d == 1 and n > 0 else "")
+            raise self._fail(idx, f"doc_idx last entry {int(self.doc_idx[-1])} != number of sequences {n}{hint}")
 
         self.num_tokens: int = int(sizes64.sum())
         bin_size = os.path.getsize(bin_)
@@ -356,11 +373,11 @@ class IndexedDataset:
         return self._tokens[start : start + int(self.sizes[first:end].astype(np.int64).sum())]
 
     # DataLoader workers: pickle the prefix and re-mmap, instead of copying the memmapped data.
-    def __getstate__(self) -> str:
-        return self.prefix
+    def __getstate__(self) -> tuple[str, bool]:
+        return self.prefix, self.unindexed_as_sequences
 
-    def __setstate__(self, prefix: str) -> None:
-        self.__init__(prefix)  # type: ignore[misc]
+    def __setstate__(self, state: tuple[str, bool]) -> None:
+        self.__init__(*state)  # type: ignore[misc]
 
     def __repr__(self) -> str:
         return (

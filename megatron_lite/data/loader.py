@@ -46,6 +46,10 @@ class SourceShards:
     weight: float | None  # explicit weight inside the group; None = natural token proportion
     prefixes: tuple[str, ...]  # absolute shard prefixes (no .bin/.idx)
     fingerprint: tuple[tuple[str, int, int, str, str], ...]  # per shard: prefix, documents, tokens, sha256s
+    unindexed_as_sequences: bool = False  # type megatron: a doc_idx=[0] merged shard is one document per sequence
+
+    def open_shard(self, prefix: str) -> IndexedDataset:
+        return IndexedDataset(prefix, unindexed_as_sequences=self.unindexed_as_sequences)
 
 
 def resolve_sources(data: DataConfig, manifest: Manifest, mix: MixConfig) -> tuple[list[SourceShards], dict[str, float]]:
@@ -66,6 +70,7 @@ def resolve_sources(data: DataConfig, manifest: Manifest, mix: MixConfig) -> tup
                 name=name, group=group_name, weight=source_config.weight,
                 prefixes=tuple(str(cache_dir / shard.prefix) for shard in record.shards),
                 fingerprint=tuple((s.prefix, s.documents, s.tokens, s.bin_sha256, s.idx_sha256) for s in record.shards),
+                unindexed_as_sequences=source_config.type == "megatron",
             ))
     return sources, group_weights(mix)
 
@@ -74,7 +79,7 @@ def document_lengths(source: SourceShards) -> np.ndarray:
     """(documents,) int64 tokens per document over all shards; checked against the manifest."""
     parts = []
     for prefix, (_, documents, tokens, _, _) in zip(source.prefixes, source.fingerprint):
-        shard = IndexedDataset(prefix)
+        shard = source.open_shard(prefix)
         if (shard.num_documents, shard.num_tokens) != (documents, tokens):
             raise ValueError(
                 f"{shard.idx_path}: {shard.num_documents} documents / {shard.num_tokens} tokens, the manifest "
@@ -110,7 +115,7 @@ class BlendedDataset(Dataset):
     def _open_shards(self) -> list[tuple[list[IndexedDataset], np.ndarray]]:
         opened = []
         for source in self.sources:
-            shards = [IndexedDataset(prefix) for prefix in source.prefixes]
+            shards = [source.open_shard(prefix) for prefix in source.prefixes]
             first_document = np.cumsum([0] + [s.num_documents for s in shards])  # (shards+1,)
             opened.append((shards, first_document))
         return opened

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from megatron_lite.config import MixConfig, parse_dataclass
+from megatron_lite.config import MixConfig, SourceConfig, parse_dataclass
 from megatron_lite.config.loading import read_yaml_mapping
 
 
@@ -42,8 +42,12 @@ def validate_mix(mix: MixConfig, origin: str = "mix") -> MixConfig:
             key = f"groups.{group_name}.sources.{source_name}"
             if source.weight is not None and not source.weight > 0:
                 raise ValueError(f"{origin}: {key}.weight={source.weight}: must be positive")
-            if source.type in ("hf", "jsonl", "text", "parquet") and not source.path:
+            if source.type in ("hf", "jsonl", "text", "parquet", "megatron") and not source.path:
                 raise ValueError(f"{origin}: {key}.path is required for type {source.type}")
+            if source.type == "megatron":
+                _check_megatron(source, origin, key)
+            elif source.tokenizer is not None:
+                raise ValueError(f"{origin}: {key}.tokenizer applies to type megatron only (type is {source.type})")
             if source.max_documents is not None and source.max_documents <= 0:
                 raise ValueError(f"{origin}: {key}.max_documents={source.max_documents}: must be positive")
     names = [name for group in mix.groups.values() for name in group.sources]
@@ -51,6 +55,22 @@ def validate_mix(mix: MixConfig, origin: str = "mix") -> MixConfig:
     if duplicates:
         raise ValueError(f"{origin}: source names must be unique across groups: {', '.join(duplicates)}")
     return mix
+
+
+def _check_megatron(source: SourceConfig, origin: str, key: str) -> None:
+    """Shards carry token ids, so the tokenizer that made them must be declared (and match the run's)."""
+    if not source.tokenizer:
+        raise ValueError(f"{origin}: {key}.tokenizer is required for type megatron (the SentencePiece model "
+                         "the shards were tokenised with)")
+    if source.max_documents is not None:
+        raise ValueError(f"{origin}: {key}.max_documents does not apply to type megatron (shards are read whole); "
+                         "remove it")
+
+
+def megatron_sources(mix: MixConfig) -> list[str]:
+    """Names of the mix's sources of type megatron (pre-tokenised shards: no text to train a tokenizer on)."""
+    return [name for group in mix.groups.values() for name, source in group.sources.items()
+            if source.type == "megatron"]
 
 
 def load_mix(path: str | Path) -> MixConfig:

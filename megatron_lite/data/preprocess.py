@@ -32,9 +32,10 @@ from megatron_lite.data.cleaning import MAX_EXAMPLES, Cleaner, Tally
 from megatron_lite.data.indexed import HEADER_SIZE, IndexedDatasetWriter, dtype_for_vocab, neox_prefix
 from megatron_lite.data.manifest import (Manifest, ShardRecord, SourceRecord, TokenizerRecord, load_manifest,
                                          manifest_path, save_manifest)
+from megatron_lite.data.megatron_source import ingest_source
 from megatron_lite.data.mix import load_mix
 from megatron_lite.data.records import BadRecord
-from megatron_lite.data.sources import input_fingerprint, read_source
+from megatron_lite.data.sources import input_fingerprint, read_source, source_settings
 from megatron_lite.data.tokenizer import TOKENIZER_FILE, Tokenizer, ensure_tokenizer
 from megatron_lite.data.verify import write_stamp
 from megatron_lite.files import file_sha256, json_sha256
@@ -115,7 +116,7 @@ class _Encoder:
 
 def source_config_hash(source: SourceConfig, name: str) -> str:
     """What determines a source's shards: its settings (not its blend weight) and its local inputs."""
-    settings = {k: v for k, v in dataclasses.asdict(source).items() if k != "weight"}
+    settings = {k: v for k, v in source_settings(source).items() if k != "weight"}
     payload = {"version": PIPELINE_VERSION, "source": settings, "inputs": input_fingerprint(source, name)}
     return json_sha256(payload)
 
@@ -131,6 +132,16 @@ def _shard_intact(cache_dir: Path, shard: ShardRecord, itemsize: int) -> bool:
     idx_size = HEADER_SIZE + 12 * shard.documents + 8 * (shard.documents + 1)
     return (bin_path.is_file() and idx_path.is_file() and bin_path.stat().st_size == shard.tokens * itemsize
             and idx_path.stat().st_size == idx_size)
+
+
+def _is_cached(previous: SourceRecord | None, config_hash: str, source: SourceConfig, cache_dir: Path,
+               itemsize: int) -> bool:
+    """A complete entry for the same config hash whose shards are still there."""
+    if previous is None or not previous.complete or previous.config_hash != config_hash:
+        return False
+    if source.type == "megatron":  # read in place: the config hash covers its files' sizes and mtimes
+        return True
+    return all(_shard_intact(cache_dir, shard, itemsize) for shard in previous.shards)
 
 
 def _reusable_shards(previous: SourceRecord | None, config_hash: str, cache_dir: Path, itemsize: int,
@@ -262,6 +273,12 @@ def format_report(manifest: Manifest, cache_dir: str | os.PathLike[str], status:
     for name, record in manifest.sources.items():
         lines.append(f"{name:<20} {record.group:<8} {status.get(name, 'cached'):<8} {record.documents:>11,} "
                      f"{record.tokens:>14,} {len(record.shards):>6} {sum(record.skipped.values()):>9,}")
+    external = {name: record.shards for name, record in manifest.sources.items()
+                if any(Path(shard.prefix).is_absolute() for shard in record.shards)}
+    if external:
+        lines.append("read in place (type megatron, not copied into the cache):")
+        lines.extend(f"  {name}: {len(shards)} shard(s), {shards[0].prefix}{' ...' if len(shards) > 1 else ''}"
+                     for name, shards in external.items())
     sections = (("skipped (not in the shards)", lambda r: (r.skipped, r.skipped_examples)),
                 ("warnings (kept in the shards)", lambda r: (r.warnings, r.warning_examples)))
     for title, select in sections:
@@ -318,10 +335,15 @@ def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, 
             for name, source in group.sources.items():
                 config_hash = source_config_hash(source, name)
                 previous = manifest.sources.get(name)
-                if (previous is not None and previous.complete and previous.config_hash == config_hash
-                        and all(_shard_intact(cache_dir, s, dtype.itemsize) for s in previous.shards)):
+                if _is_cached(previous, config_hash, source, cache_dir, dtype.itemsize):
+                    assert previous is not None
                     previous.group = group_name  # moving a source between groups needs no re-tokenising
                     status[name] = "cached"
+                    continue
+                if source.type == "megatron":  # existing shards: recorded in place, nothing written
+                    manifest.sources[name] = ingest_source(name, group_name, source, config_hash=config_hash,
+                                                           vocab_size=tokenizer.vocab_size, progress=progress)
+                    status[name] = "linked"
                     continue
 
                 def checkpoint(record: SourceRecord, name: str = name) -> None:
@@ -340,8 +362,9 @@ def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, 
     manifest.sources = {name: manifest.sources[name] for name in names}  # mix order; drops removed sources
     if old is None or dataclasses.asdict(old) != dataclasses.asdict(manifest):
         save_manifest(manifest, cache_dir)
-    written = [shard for name, record in manifest.sources.items() if status.get(name) == "built" for shard in record.shards]
-    if written:  # hashed just now from the files written: no need to read them again before training
+    written = [shard for name, record in manifest.sources.items() if status.get(name) in ("built", "linked")
+               for shard in record.shards]
+    if written:  # hashed (and range-checked) just now: no need to read them again before training
         write_stamp(cache_dir, manifest, written)
     if progress:
         print(format_report(manifest, cache_dir, status))

@@ -8,6 +8,7 @@ Heavy libraries (datasets, pyarrow) are imported by the readers that need them.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import gzip
 import hashlib
@@ -44,6 +45,45 @@ def expand_paths(path: str, suffixes: tuple[str, ...], name: str) -> list[Path]:
     if not files:
         raise ValueError(f"source {name}: path={path!r} matches no files (looked for {', '.join(suffixes)})")
     return sorted(files)
+
+
+def _strip_shard_suffix(path: str) -> str:
+    return path[:-4] if path.endswith((".bin", ".idx")) else path
+
+
+def megatron_prefixes(path: str, name: str) -> list[str]:
+    """Absolute MMIDIDX prefixes of a ``type: megatron`` path, sorted: a prefix (or one of its two
+    files), a directory (every ``*.idx`` below it) or a glob of .bin/.idx files, directories or prefixes.
+    Each prefix must have both files."""
+    if glob.has_magic(path):
+        matches = glob.glob(path, recursive=True) + glob.glob(path + ".idx", recursive=True)  # files or prefixes
+        dirs = [m for m in matches if os.path.isdir(m)]
+        found = {_strip_shard_suffix(m) for m in matches if os.path.isfile(m) and m.endswith((".bin", ".idx"))}
+        found.update(str(p)[:-4] for d in dirs for p in Path(d).rglob("*.idx") if p.is_file())
+    elif os.path.isdir(path):
+        found = {str(p)[:-4] for p in Path(path).rglob("*.idx") if p.is_file()}
+    elif os.path.isfile(_strip_shard_suffix(path) + ".idx") or os.path.isfile(_strip_shard_suffix(path) + ".bin"):
+        found = {_strip_shard_suffix(path)}
+    else:
+        raise ValueError(f"source {name}: path={path!r} is neither a shard prefix (no {path}.idx), a directory "
+                         "nor a glob")
+    if not found:
+        raise ValueError(f"source {name}: path={path!r} matches no MMIDIDX shards (looked for .idx/.bin files)")
+    prefixes = sorted({os.path.abspath(prefix) for prefix in found})
+    for prefix in prefixes:
+        for suffix, other in ((".bin", ".idx"), (".idx", ".bin")):
+            if not os.path.isfile(prefix + suffix):
+                raise ValueError(f"source {name}: {prefix}{suffix} is missing (its {other} is there)")
+    return prefixes
+
+
+def source_settings(source: SourceConfig) -> dict[str, Any]:
+    """The source's settings as a dict for cache keys; ``tokenizer`` (added later, megatron only) is left
+    out when unset so that caches keyed before it existed stay valid."""
+    settings = dataclasses.asdict(source)
+    if settings.get("tokenizer") is None:
+        settings.pop("tokenizer", None)
+    return settings
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,6 +187,12 @@ def read_hf(source: SourceConfig, name: str) -> Iterator[Record]:
             yield make_record(record[field], location, field)
 
 
+def read_megatron(source: SourceConfig, name: str) -> Iterator[Record]:
+    """Pre-tokenised shards hold token ids, not text: nothing here can read them as documents."""
+    raise ValueError(f"source {name}: type megatron holds token ids (MMIDIDX shards at {source.path!r}), not text; "
+                     "it can only be trained on (tools/preprocess_data.py, train.py), not read as documents")
+
+
 READERS: dict[str, Callable[[SourceConfig, str], Iterator[Record]]] = {
     "jsonl": read_jsonl,
     "text": read_text,
@@ -154,6 +200,7 @@ READERS: dict[str, Callable[[SourceConfig, str], Iterator[Record]]] = {
     "hf": read_hf,
     "python_docs": sample_corpus.read_python_docs,
     "python_code": sample_corpus.read_python_code,
+    "megatron": read_megatron,
 }
 
 
@@ -183,6 +230,9 @@ def input_fingerprint(source: SourceConfig, name: str = "source") -> str:
         extra = sys.version
     elif source.type in SUFFIXES:
         files = expand_paths(str(source.path), SUFFIXES[source.type], name)
+    elif source.type == "megatron":
+        files = [Path(prefix + suffix) for prefix in megatron_prefixes(str(source.path), name)
+                 for suffix in (".bin", ".idx")]
     elif source.type == "hf" and os.path.isdir(str(source.path)):  # a local copy
         root = Path(str(source.path))
         files = sorted(p for p in root.rglob("*") if p.is_file() and not any(

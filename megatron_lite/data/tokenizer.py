@@ -36,9 +36,10 @@ from tqdm import tqdm
 from megatron_lite.config import DataConfig, MixConfig
 from megatron_lite.console import notice
 from megatron_lite.data.cleaning import Cleaner
+from megatron_lite.data.megatron_source import check_tokenizer as check_megatron_tokenizer
 from megatron_lite.data.mix import group_weights, load_mix
 from megatron_lite.data.records import Document
-from megatron_lite.data.sources import read_source
+from megatron_lite.data.sources import read_source, source_settings
 from megatron_lite.files import copy_file_atomic, file_sha256, write_bytes_atomic, write_json_atomic
 
 EOD_PIECE, PAD_PIECE, UNK_PIECE = "<|endoftext|>", "<|pad|>", "<unk>"
@@ -246,9 +247,18 @@ def train_from_mix(mix: MixConfig, output: str | os.PathLike[str], vocab_size: i
 # The tokenizer of a data cache
 
 
+def _mix_settings(mix: MixConfig) -> dict[str, Any]:
+    """asdict(mix) with each source as source_settings() gives it (stable across added source fields)."""
+    settings = dataclasses.asdict(mix)
+    for group_name, group in mix.groups.items():
+        settings["groups"][group_name]["sources"] = {name: source_settings(source)
+                                                     for name, source in group.sources.items()}
+    return settings
+
+
 def _tokenizer_spec(data: DataConfig, vocab_size: int, mix: MixConfig) -> dict[str, Any]:
     return {"vocab_size": vocab_size, "sample_chars": data.tokenizer.sample_chars,
-            "mix": dataclasses.asdict(mix), "trainer": TRAINER_SETTINGS, "version": SPEC_VERSION}
+            "mix": _mix_settings(mix), "trainer": TRAINER_SETTINGS, "version": SPEC_VERSION}
 
 
 def ensure_tokenizer(data: DataConfig, vocab_size: int, mix: MixConfig | None = None, *, retrain: bool = False,
@@ -257,6 +267,7 @@ def ensure_tokenizer(data: DataConfig, vocab_size: int, mix: MixConfig | None = 
     (reused while the vocabulary size, sample size, mix and trainer settings are unchanged); ``vocab_size``
     is model.vocab_size, ``mix`` data.mix parsed (parsed here when not given)."""
     mix = mix if mix is not None else load_mix(data.mix)
+    check_megatron_tokenizer(data, mix)  # pre-tokenised shards: the model is given, never trained
     cache_dir = Path(data.cache_dir)
     target, spec_path = cache_dir / TOKENIZER_FILE, cache_dir / TOKENIZER_SPEC_FILE
     given = data.tokenizer.model

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ from megatron_lite.files import file_sha256, write_json_atomic
 STAMP_FILE = "verified.json"
 STAMP_VERSION = 1
 _CHUNK_BYTES = 16 << 20  # per read of a .bin: hash and range-check the same bytes
-_PROGRESS_BYTES = 256 << 20  # show a progress bar when there is at least this much to read
+PROGRESS_BYTES = 256 << 20  # show a progress bar when there is at least this much to read
 
 
 class ShardVerificationError(ValueError):
@@ -81,22 +82,20 @@ def _changed(path: str) -> str:
             "re-run preprocessing with --force or restore the file")
 
 
-def verify_shard(cache_dir: str | os.PathLike[str], shard: ShardRecord, vocab_size: int,
-                 bar: tqdm | None = None) -> None:
-    """Check one shard: .idx sha256, then one pass over the .bin computing its sha256 and the range
-    of its token ids (vectorised per chunk). Raises ShardVerificationError naming the file."""
-    prefix = Path(cache_dir) / shard.prefix
-    bin_path, idx_path = data_file_path(prefix), index_file_path(prefix)
-    for path in (bin_path, idx_path):
-        if not os.path.isfile(path):
-            raise ShardVerificationError(f"{path}: missing (listed in {manifest_path(cache_dir)}); "
-                                         "re-run preprocessing or restore the file")
-    if file_sha256(idx_path) != shard.idx_sha256:
-        raise ShardVerificationError(_changed(idx_path))
-    try:
-        dtype = IndexedDataset(prefix).dtype  # the header's dtype; also validates the index's structure
-    except ValueError as error:
-        raise ShardVerificationError(str(error)) from error
+@dataclass(frozen=True)
+class BinScan:
+    """What one pass over a .bin found: its sha256 and the extreme token ids with their positions."""
+
+    sha256: str
+    tokens: int
+    low: int  # smallest id (0 when there are no tokens)
+    low_at: int
+    high: int  # largest id (-1 when there are no tokens)
+    high_at: int
+
+
+def scan_bin(bin_path: str | os.PathLike[str], dtype: np.dtype, bar: tqdm | None = None) -> BinScan:
+    """Read ``bin_path`` once in chunks: sha256 plus min/max token id (vectorised per chunk)."""
     digest = hashlib.sha256()
     low, high, low_at, high_at = 0, -1, 0, 0
     position = 0  # tokens before the current chunk
@@ -104,7 +103,7 @@ def verify_shard(cache_dir: str | os.PathLike[str], shard: ShardRecord, vocab_si
     with open(bin_path, "rb") as f:
         while chunk := f.read(chunk_bytes):
             digest.update(chunk)
-            tokens = np.frombuffer(chunk, dtype=dtype, count=len(chunk) // dtype.itemsize)
+            tokens = np.frombuffer(chunk, dtype=dtype, count=len(chunk) // dtype.itemsize)  # (chunk tokens,)
             if tokens.size:
                 at_max, at_min = int(tokens.argmax()), int(tokens.argmin())
                 if int(tokens[at_max]) > high:
@@ -114,14 +113,41 @@ def verify_shard(cache_dir: str | os.PathLike[str], shard: ShardRecord, vocab_si
             position += tokens.size
             if bar is not None:
                 bar.update(len(chunk))
-    if digest.hexdigest() != shard.bin_sha256:
+    return BinScan(digest.hexdigest(), position, low, low_at, high, high_at)
+
+
+def id_range_problem(scan: BinScan, vocab_size: int) -> str | None:
+    """What is wrong with the ids a scan found (one outside [0, vocab_size)), or None."""
+    if scan.high >= vocab_size:
+        return f"token id {scan.high} at position {scan.high_at} >= vocabulary size {vocab_size}"
+    if scan.low < 0:
+        return f"negative token id {scan.low} at position {scan.low_at}"
+    return None
+
+
+def verify_shard(cache_dir: str | os.PathLike[str], shard: ShardRecord, vocab_size: int,
+                 bar: tqdm | None = None) -> None:
+    """Check one shard: .idx sha256, then one pass over the .bin computing its sha256 and the range
+    of its token ids. Raises ShardVerificationError naming the file."""
+    prefix = Path(cache_dir) / shard.prefix
+    bin_path, idx_path = data_file_path(prefix), index_file_path(prefix)
+    for path in (bin_path, idx_path):
+        if not os.path.isfile(path):
+            raise ShardVerificationError(f"{path}: missing (listed in {manifest_path(cache_dir)}); "
+                                         "re-run preprocessing or restore the file")
+    if file_sha256(idx_path) != shard.idx_sha256:
+        raise ShardVerificationError(_changed(idx_path))
+    try:  # the header's dtype; also validates the index's structure (an index matching the manifest's
+        # sha256 was accepted at preprocessing, merged doc_idx=[0] sets of type megatron included)
+        dtype = IndexedDataset(prefix, unindexed_as_sequences=True).dtype
+    except ValueError as error:
+        raise ShardVerificationError(str(error)) from error
+    scan = scan_bin(bin_path, dtype, bar)
+    if scan.sha256 != shard.bin_sha256:
         raise ShardVerificationError(_changed(bin_path))
-    if high >= vocab_size:
-        raise ShardVerificationError(f"{bin_path}: token id {high} at position {high_at} >= vocabulary size "
-                                     f"{vocab_size} (the shard was made with another tokenizer?); re-run "
-                                     "preprocessing with --force")
-    if low < 0:
-        raise ShardVerificationError(f"{bin_path}: negative token id {low} at position {low_at}; re-run "
+    problem = id_range_problem(scan, vocab_size)
+    if problem:
+        raise ShardVerificationError(f"{bin_path}: {problem} (the shard was made with another tokenizer?); re-run "
                                      "preprocessing with --force")
 
 
@@ -131,7 +157,7 @@ def verify_shards(cache_dir: str | os.PathLike[str], manifest: Manifest, shards:
     vocab = manifest.tokenizer.vocab_size
     total = sum(os.path.getsize(data_file_path(Path(cache_dir) / s.prefix))
                 for s in shards if os.path.isfile(data_file_path(Path(cache_dir) / s.prefix)))
-    show = progress and total >= _PROGRESS_BYTES
+    show = progress and total >= PROGRESS_BYTES
     with tqdm(total=total, desc="verifying shards", unit="B", unit_scale=True, disable=not show,
               dynamic_ncols=True) as bar:
         for shard in shards:

@@ -1,8 +1,11 @@
 """Saving and resuming training checkpoints (their directories: megatron_lite/checkpoint_dirs.py).
 
 A checkpoint counts only once it is complete: every rank writes its DeepSpeed files and its RNG
-state, all ranks meet, then rank 0 writes the COMPLETE marker and only then flips ``latest``. A
-crash at any point leaves the previous complete checkpoint as the one ``--resume auto`` finds.
+state (hashing them as they are written), all ranks meet, then rank 0 writes the manifest of every
+file's size and sha256 (``megatron_lite.checkpoint_integrity``), the COMPLETE marker, and only then
+flips ``latest``. A crash at any point leaves the previous complete checkpoint as the one
+``--resume auto`` finds; a resume first verifies the checkpoint against its manifest (each rank its
+share) and ``auto`` falls back to an older one when that fails.
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ import torch
 
 from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
+from megatron_lite.checkpoint_integrity import (MANIFEST_FILE, FileRecord, Verification, record_file, safe_load,
+                                                save_hashed, verify_checkpoint, write_manifest)
 from megatron_lite.config import Config
 from megatron_lite.console import notice
 from megatron_lite.files import write_text_atomic
-from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, barrier
+from megatron_lite.training.distributed import DistributedInfo, all_gather_objects, all_reduce_sum, barrier
 from megatron_lite.weights import expected_shapes
 
 # Keys whose change on resume is allowed (with a warning): they do not change tensor shapes.
@@ -84,34 +89,53 @@ def _describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
+def _agree(error: Exception | None, records: list[FileRecord]) -> tuple[int, list[FileRecord]]:
+    """All ranks' outcome in one collective: (ranks that failed, every rank's file records)."""
+    outcomes = all_gather_objects((error is not None, records))
+    return sum(failed for failed, _ in outcomes), [record for _, mine in outcomes for record in mine]
+
+
 def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Config, tokenizer_path: Path | None,
                     dist_info: DistributedInfo, keep_last: int) -> Path | None:
     """Write one complete checkpoint; None (and the previous one intact, still ``latest``) if any write on
-    any rank failed. Every rank returns after the same two all-rank agreements, so none waits on a failed one."""
+    any rank failed. Every rank returns after the same two all-rank agreements, so none waits on a failed one.
+
+    ``engine.checkpoint_engine`` must be a VerifiedCheckpointEngine (``checkpoint_engine.install``): it
+    hashes DeepSpeed's files as they are written and holds a failed write instead of raising it.
+    """
     checkpoints = run_dir / checkpoint_dirs.CHECKPOINTS_DIR
     tag = checkpoint_dirs.step_tag(state.step)
     step_dir = checkpoints / tag
     faults = config.train.fault_injection
-    disk_full = faults.disk_full_bytes if state.step in faults.disk_full_save_steps else None
+    disk_full = (faults.disk_full_bytes if state.step in faults.disk_full_save_steps
+                 and faults.disk_full_rank in (None, dist_info.rank) else None)
+    writer = engine.checkpoint_engine
     error: Exception | None = None
+    records: list[FileRecord] = []
     started = time.perf_counter()
     try:
         with _disk_full(None if faults.disk_full_after_agreement else disk_full):
             if faults.fail_save_step == state.step:
                 raise OSError(28, f"No space left on device (fault injection at step {state.step})")
+            writer.begin()
             engine.save_checkpoint(str(checkpoints), tag=tag, client_state=state.to_client_state(), save_latest=False)
-            torch.save(_rng_state(), _rng_file(step_dir, dist_info.rank))
+            if writer.error is not None:
+                raise writer.error
+            records = [*writer.written, save_hashed(_rng_state(), _rng_file(step_dir, dist_info.rank), dist_info.rank)]
             if faults.kill_during_save_step == state.step:
                 os.kill(os.getpid(), signal.SIGKILL)
     except Exception as caught:  # torch.save raises RuntimeError on a full disk: any failure counts
         error = caught
-    failures = all_reduce_sum([0.0 if error is None else 1.0], dist_info.device)[0]
+    failures, records = _agree(error, records)
     if not failures and dist_info.is_main:  # rank 0's own writes, agreed on below before anyone returns
         try:
             with _disk_full(disk_full if faults.disk_full_after_agreement else None):
                 config_lib.save(config, step_dir / checkpoint_dirs.CONFIG_FILE)
+                records.append(record_file(step_dir / checkpoint_dirs.CONFIG_FILE, dist_info.rank))
                 if tokenizer_path is not None:
                     shutil.copyfile(tokenizer_path, step_dir / checkpoint_dirs.TOKENIZER_FILE)
+                    records.append(record_file(step_dir / checkpoint_dirs.TOKENIZER_FILE, dist_info.rank))
+                write_manifest(step_dir, records)
                 marker = {**state.__dict__, "world_size": dist_info.world_size,
                           "zero_stage": config.train.zero_stage, "precision": config.precision,
                           "seconds": round(time.perf_counter() - started, 3)}
@@ -138,17 +162,57 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Co
     return step_dir
 
 
-def find_resume_checkpoint(resume: str, run_dir: Path) -> Path | None:
-    """``auto``: the run dir's latest complete checkpoint (None to start fresh); ``none``; or a path."""
+def _verify_everywhere(step_dir: Path, dist_info: DistributedInfo) -> Verification:
+    """Each rank checks its share of ``step_dir`` (the files it would have written); all ranks get every problem."""
+    mine = verify_checkpoint(step_dir, dist_info.rank, dist_info.world_size)
+    everyone = all_gather_objects(mine)
+    return Verification([problem for result in everyone for problem in result.problems], mine.has_manifest,
+                        sum(result.files_checked for result in everyone))
+
+
+def _describe_problems(result: Verification) -> str:
+    more = len(result.problems) - 1
+    return result.problems[0] + (f" (and {more} more problem(s))" if more else "")
+
+
+def find_resume_checkpoint(resume: str, run_dir: Path, dist_info: DistributedInfo) -> Path | None:
+    """The verified checkpoint to resume from. ``auto``: the run dir's newest complete checkpoint that passes
+    verification (one that fails is skipped with a notice naming it; None when there is none at all);
+    ``none``; or a path, which must pass verification (ValueError otherwise)."""
     if resume == "none":
         return None
     if resume == "auto":
-        return checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
+        checkpoints = run_dir / checkpoint_dirs.CHECKPOINTS_DIR
+        latest = checkpoint_dirs.latest_complete(checkpoints)
+        if latest is None:
+            return None
+        candidates = [latest] + [p for p in reversed(checkpoint_dirs.complete_checkpoints(checkpoints)) if p != latest]
+        for step_dir in candidates:
+            result = _verify_everywhere(step_dir, dist_info)
+            if result.ok:
+                _note_unverified(step_dir, result, dist_info)
+                return step_dir
+            if dist_info.is_main:
+                notice(f"--resume auto: skipping {step_dir}: {_describe_problems(result)}; trying the previous "
+                       "complete checkpoint")
+        raise ValueError(f"--resume auto: none of the {len(candidates)} complete checkpoint(s) in {checkpoints} passes "
+                         "verification (see the warnings above); restore or remove them, or start over with "
+                         "--resume none")
     step_dir = checkpoint_dirs.resolve_checkpoint(resume)
     if not checkpoint_dirs.is_complete(step_dir):
         raise ValueError(f"--resume {resume}: {step_dir} is not a complete checkpoint "
                          f"(no {checkpoint_dirs.COMPLETE_MARKER})")
+    result = _verify_everywhere(step_dir, dist_info)
+    if not result.ok:
+        raise ValueError(f"--resume {resume}: {step_dir} fails verification: {_describe_problems(result)}")
+    _note_unverified(step_dir, result, dist_info)
     return step_dir
+
+
+def _note_unverified(step_dir: Path, result: Verification, dist_info: DistributedInfo) -> None:
+    if not result.has_manifest and dist_info.is_main:
+        notice(f"{step_dir}: no {MANIFEST_FILE} (not saved by megatron_lite's training loop, or by an older version): file sizes and checksums not "
+               "verified, only that its pickles hold checkpoint types")
 
 
 def check_resume_compatible(step_dir: Path, config: Config) -> None:
@@ -179,7 +243,7 @@ def load_training_state(engine: Any, step_dir: Path, dist_info: DistributedInfo)
     state = TrainingState.from_client_state(client_state)
     rng_file = _rng_file(step_dir, dist_info.rank)
     if rng_file.is_file():
-        rng = torch.load(rng_file, map_location="cpu", weights_only=True)
+        rng = safe_load(rng_file)
         torch.set_rng_state(rng["torch"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -68,6 +69,15 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order, on every rank."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, value)
+        return gathered
+    return [value]
 
 
 def barrier() -> None:

@@ -147,6 +147,8 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
     checks every shard even where the cache's stamp says it was verified (train.py --verify-data)."""
     import deepspeed
 
+    from megatron_lite.training import checkpoint_engine  # imports deepspeed
+
     dist_info = init_distributed()
     batch_sizes = resolve_batch_sizes(config, dist_info.world_size)  # ValueError before any work
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -155,7 +157,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
     if dist_info.is_main:
         config_lib.save(config, run_dir / checkpoint_dirs.CONFIG_FILE)
 
-    resume_dir = find_resume_checkpoint(resume, run_dir)
+    resume_dir = find_resume_checkpoint(resume, run_dir, dist_info)
     if resume_dir is not None:
         check_resume_compatible(resume_dir, config)
         marker = checkpoint_dirs.read_complete_marker(resume_dir)
@@ -171,6 +173,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
     optimizer = build_optimizer(model, config.train)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                       config=deepspeed_config(config, batch_sizes))
+    checkpoint_engine.install(engine, dist_info.rank)  # safe loads, hashed writes, no rank left in a barrier
     state = TrainingState(total_steps=data.total_steps)
     if resume_dir is not None:
         state = load_training_state(engine, resume_dir, dist_info)

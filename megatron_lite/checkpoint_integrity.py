@@ -1,0 +1,254 @@
+"""What a checkpoint file may contain, and whether a step directory is intact.
+
+**Safe unpickling.** A ``.pt`` file is a pickle, and a pickle can run any code when loaded:
+DeepSpeed's own loader and ``zero_to_fp32`` use ``weights_only=False``, so a crafted file in a
+shared run directory or a downloaded checkpoint would own the machine. Every ``.pt`` that a resume,
+``load_model`` or the converter reads is therefore first loaded with ``torch.load(weights_only=True)``
+and an allow-list of exactly the DeepSpeed classes its optimizer states pickle
+(``ALLOWED_GLOBALS``); anything else is refused with one line naming the file and the global.
+A training run's DeepSpeed engine also loads through ``safe_load`` itself
+(``megatron_lite.training.checkpoint_engine``).
+
+**Manifest.** ``<step dir>/MANIFEST.json`` lists every file of the checkpoint with its size,
+sha256 and the rank that wrote it (each rank hashes its files while writing them; rank 0 gathers
+the lists and writes the manifest before ``COMPLETE``)::
+
+    {"version": 1, "files": {"mp_rank_00_model_states.pt": {"bytes": 1234, "sha256": "...", "rank": 0}, ...}}
+
+``verify_checkpoint`` checks a rank's share of it (sizes first, then hashes, then the pickles), so a
+truncated or bit-flipped file is found before anything reads it. Checkpoints written before
+manifests existed have none: their pickles are still checked, their bytes cannot be.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import pickle
+import re
+import warnings
+import zipfile
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from megatron_lite.files import write_json_atomic
+
+MANIFEST_FILE = "MANIFEST.json"
+MANIFEST_VERSION = 1
+
+# What DeepSpeed 0.19's checkpoints pickle besides tensors and plain containers (found with
+# torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 0-3 x fp32/bf16 checkpoints; fp16
+# adds the dynamic loss scaler). Nothing here runs code when rebuilt: plain classes, a dataclass, an enum.
+ALLOWED_GLOBALS = (
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+)
+_GLOBAL_IN_ERROR = re.compile(r"GLOBAL ([\w.]+)")
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file whose pickle names something outside the allow-list (or is not a pickle at all)."""
+
+
+class CheckpointIntegrityError(ValueError):
+    """A checkpoint whose files differ from its manifest."""
+
+
+@cache
+def _allowed_globals() -> tuple[Any, ...]:
+    objects = []
+    for name in ALLOWED_GLOBALS:
+        module, attribute = name.rsplit(".", 1)
+        try:
+            objects.append(getattr(importlib.import_module(module), attribute))
+        except (ImportError, AttributeError):  # another DeepSpeed version: its files cannot hold it either
+            continue
+    return tuple(objects)
+
+
+def _offending_global(path: Path, error: Exception) -> str:
+    """The refused global as torch's message names it (its wording varies by case and version)."""
+    message = str(error)
+    match = _GLOBAL_IN_ERROR.search(message)
+    if match:
+        return match.group(1)
+    if zipfile.is_zipfile(path):
+        import torch
+
+        found = [name for name in torch.serialization.get_unsafe_globals_in_checkpoint(path)
+                 if name not in ALLOWED_GLOBALS]
+        if found:
+            return ", ".join(found)
+    detail = next((line.strip() for line in message.splitlines() if line.strip().startswith("Unsupported")), "")
+    return f"an unsupported pickle instruction ({detail or type(error).__name__})"
+
+
+def safe_load(path: str | os.PathLike[str], map_location: Any = "cpu", mmap: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)`` with ``ALLOWED_GLOBALS``; UnsafeCheckpointError naming the
+    file and the refused global, CheckpointIntegrityError for a file torch cannot read (truncated, not
+    a checkpoint). ``mmap`` maps tensors instead of reading them (new zip format only)."""
+    import torch
+
+    path = Path(path)
+    use_mmap = mmap and zipfile.is_zipfile(path)
+    try:
+        with torch.serialization.safe_globals(list(_allowed_globals())), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. "Detected pickle protocol 4": the refusal says what matters
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=use_mmap)
+    except pickle.UnpicklingError as error:
+        raise UnsafeCheckpointError(
+            f"{path}: refused to unpickle {_offending_global(path, error)} (not a type megatron_lite checkpoints "
+            "contain; the file may be malicious or from another program): not loaded") from None
+    except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
+        first = str(error).strip().splitlines()
+        raise CheckpointIntegrityError(f"{path}: unreadable ({type(error).__name__}: "
+                                       f"{first[0] if first else ''})") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Hashing while writing
+
+
+@dataclass
+class FileRecord:
+    name: str  # relative to the step dir
+    bytes: int
+    sha256: str
+    rank: int
+
+
+class HashingWriter:
+    """A write-only binary stream that hashes and counts what passes through it to ``handle``."""
+
+    def __init__(self, handle: BinaryIO) -> None:
+        self._handle = handle
+        self._digest = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self._digest.update(data)
+        self.size += len(data)
+        return self._handle.write(data)
+
+    def flush(self) -> None:
+        self._handle.flush()
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
+def save_hashed(obj: Any, path: Path, rank: int, zipfile_serialization: bool = True) -> FileRecord:
+    """``torch.save(obj, path)``, hashing the bytes as they are written (no second read)."""
+    import torch
+
+    with open(path, "wb") as handle:
+        writer = HashingWriter(handle)
+        torch.save(obj, writer, _use_new_zipfile_serialization=zipfile_serialization)  # type: ignore[arg-type]
+    return FileRecord(path.name, writer.size, writer.hexdigest(), rank)
+
+
+def record_file(path: Path, rank: int) -> FileRecord:
+    """A small file written by other means (config, tokenizer): hashed after the write."""
+    digest = hashlib.sha256(path.read_bytes())
+    return FileRecord(path.name, path.stat().st_size, digest.hexdigest(), rank)
+
+
+# ----------------------------------------------------------------------------------------------
+# Manifest
+
+
+def write_manifest(step_dir: Path, records: list[FileRecord]) -> None:
+    files = {record.name: {"bytes": record.bytes, "sha256": record.sha256, "rank": record.rank}
+             for record in sorted(records, key=lambda r: r.name)}
+    write_json_atomic(step_dir / MANIFEST_FILE, {"version": MANIFEST_VERSION, "files": files}, indent=1)
+
+
+def read_manifest(step_dir: Path) -> dict[str, FileRecord] | None:
+    """name -> record; None when the checkpoint has no manifest (written by an older version)."""
+    path = step_dir / MANIFEST_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != MANIFEST_VERSION:
+            raise ValueError(f"version {data.get('version')!r}, expected {MANIFEST_VERSION}")
+        return {name: FileRecord(name, int(entry["bytes"]), str(entry["sha256"]), int(entry["rank"]))
+                for name, entry in data["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise CheckpointIntegrityError(f"{path}: unreadable manifest ({error})") from None
+
+
+@dataclass
+class Verification:
+    problems: list[str] = field(default_factory=list)  # one line each, naming the file
+    has_manifest: bool = True
+    files_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _check_file(step_dir: Path, record: FileRecord) -> str | None:
+    path = step_dir / record.name
+    if not path.is_file():
+        return f"{path}: missing (listed in {MANIFEST_FILE})"
+    size = path.stat().st_size
+    if size != record.bytes:
+        return f"{path}: {size} bytes, the manifest says {record.bytes} (truncated or changed)"
+    with open(path, "rb") as handle:
+        if hashlib.file_digest(handle, "sha256").hexdigest() != record.sha256:
+            return f"{path}: sha256 differs from {MANIFEST_FILE} (corrupted or changed since it was saved)"
+    return None
+
+
+def verify_checkpoint(step_dir: Path, rank: int = 0, world_size: int = 1) -> Verification:
+    """This rank's share of the checks of ``step_dir`` (all of them for one process): files written by
+    rank r are checked by rank r % world_size; rank 0 also looks for ``.pt`` files the manifest does not
+    list. Every ``.pt`` in the share is safe-loaded (memory-mapped, so tensors are not read)."""
+    result = Verification()
+    try:
+        manifest = read_manifest(step_dir)
+    except CheckpointIntegrityError as error:
+        return Verification([str(error)])
+    pickles = sorted(step_dir.glob("*.pt"))
+    if manifest is None:
+        result.has_manifest = False
+        mine = [path for index, path in enumerate(pickles) if index % world_size == rank]
+    else:
+        share = [record for record in manifest.values() if record.rank % world_size == rank]
+        for record in share:
+            problem = _check_file(step_dir, record)
+            result.files_checked += 1
+            if problem:
+                result.problems.append(problem)
+        if rank == 0:
+            result.problems += [f"{path}: not listed in {step_dir / MANIFEST_FILE} (added after the save?)"
+                                for path in pickles if path.name not in manifest]
+        failed = {problem.split(": ", 1)[0] for problem in result.problems}
+        mine = [step_dir / record.name for record in share
+                if record.name.endswith(".pt") and str(step_dir / record.name) not in failed]
+    for path in mine:
+        try:
+            safe_load(path, mmap=True)
+        except (UnsafeCheckpointError, CheckpointIntegrityError) as error:
+            result.problems.append(str(error))
+    return result
+
+
+def verify_or_raise(step_dir: Path) -> Verification:
+    """Every check of ``step_dir`` in this process; CheckpointIntegrityError (or UnsafeCheckpointError)
+    with the first problem, and how many more there are."""
+    result = verify_checkpoint(step_dir)
+    if result.problems:
+        more = f" (and {len(result.problems) - 1} more problem(s))" if len(result.problems) > 1 else ""
+        kind = UnsafeCheckpointError if "refused to unpickle" in result.problems[0] else CheckpointIntegrityError
+        raise kind(result.problems[0] + more)
+    return result
+

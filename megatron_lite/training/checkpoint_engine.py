@@ -1,0 +1,53 @@
+"""DeepSpeed's checkpoint engine, made safe to load from and able to say what it wrote.
+
+``TorchCheckpointEngine`` loads with ``weights_only=False`` (code in a crafted file runs) and lets a
+failed write raise out of ``engine.save_checkpoint`` on one rank while the others wait in its
+closing barrier. This subclass (installed by ``install``) loads through
+``checkpoint_integrity.safe_load``, hashes every file while writing it, and keeps a failed write
+for the caller's all-rank agreement instead of raising, so every rank still reaches DeepSpeed's
+barrier and no rank waits on another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+from megatron_lite.checkpoint_integrity import FileRecord, safe_load, save_hashed
+
+
+class VerifiedCheckpointEngine(TorchCheckpointEngine):
+    def __init__(self, zipfile_serialization: bool, rank: int) -> None:
+        super().__init__(config_params=None)
+        self.zipfile_serialization = zipfile_serialization
+        self.rank = rank
+        self.written: list[FileRecord] = []
+        self.error: Exception | None = None  # the first failed write since begin()
+
+    def begin(self) -> None:
+        """Forget the records and failure of the previous save."""
+        self.written, self.error = [], None
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self.error is not None:  # the checkpoint is lost already: do not fill the disk further
+            return
+        try:
+            self.written.append(save_hashed(state_dict, Path(path), self.rank, self.zipfile_serialization))
+        except Exception as error:  # torch.save raises RuntimeError on a full disk, not only OSError
+            self.error = error
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return safe_load(path, map_location=map_location)
+
+
+def install(engine: Any, rank: int) -> VerifiedCheckpointEngine:
+    """Replace ``engine.checkpoint_engine`` (a plain TorchCheckpointEngine: the only kind our DeepSpeed
+    config selects) by a VerifiedCheckpointEngine with the same serialization."""
+    current = engine.checkpoint_engine
+    if type(current) is not TorchCheckpointEngine:
+        raise ValueError(f"unexpected DeepSpeed checkpoint engine {type(current).__name__}: megatron_lite "
+                         "verifies checkpoints through TorchCheckpointEngine only")
+    engine.checkpoint_engine = VerifiedCheckpointEngine(current.zipfile_serialization, rank)
+    return engine.checkpoint_engine
