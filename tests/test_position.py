@@ -31,8 +31,12 @@ def make_inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return q, k, v
 
 
+def rotary_for(rotary_dims: int = D) -> RotaryEmbedding:
+    return RotaryEmbedding(rotary_dims, 10000.0, RopeScalingConfig(), train_length=16)
+
+
 def tables_for(positions: torch.Tensor, rotary_dims: int = D, seq_len: int = T):
-    return RotaryEmbedding(rotary_dims, 10000.0, RopeScalingConfig(), train_length=16).tables(positions, seq_len, torch.float64)
+    return rotary_for(rotary_dims).tables(positions, seq_len, torch.float64)
 
 
 def fused_scores(scheme, q, k, q_tables, k_tables) -> torch.Tensor:
@@ -44,7 +48,7 @@ def test_coca_slack_fused_equals_official_opt_einsum_contraction(rotary_dims: in
     q, k, v = make_inputs()
     positions = torch.arange(T)
     tables = tables_for(positions, rotary_dims)
-    scheme = CoCASlack(rotary_dims)
+    scheme = CoCASlack(rotary_for(rotary_dims))
     # The official code: contract('bpnd,bpsd,bpnd->bpns', q, R t, R q), written out here.
     t = collinear_coefficients(k, rotary_dims)
     from megatron_lite.model.rope import apply_rotary
@@ -53,7 +57,7 @@ def test_coca_slack_fused_equals_official_opt_einsum_contraction(rotary_dims: in
     assert (fused_scores(scheme, q, k, tables, tables) - oracle).abs().max() <= 1e-10
 
     scale = 1 / math.sqrt(D)
-    via_sdpa = sdpa_attention(scheme.transform_query(q, tables), scheme.transform_key(k, tables), v, positions, positions, None, scale)
+    via_sdpa = sdpa_attention(scheme.transform_query(q, tables), scheme.transform_key(k, tables), v, "causal", positions, positions, None, scale)
     via_reference = reference_attention(oracle, v, positions, positions, None, scale)
     assert (via_sdpa - via_reference).abs().max() <= 1e-10
 
@@ -63,7 +67,7 @@ def test_coca_strict_fused_equals_explicit_eq10(rotary_dims: int) -> None:
     q, k, v = make_inputs(1)
     positions = torch.arange(T)
     tables = tables_for(positions, rotary_dims)
-    scheme = CoCAStrict(rotary_dims)
+    scheme = CoCAStrict(rotary_for(rotary_dims))
     # Explicit Eq. 10 written independently: for every (m, n) build the key R_n (t_n * q_m)
     # pair by pair and dot it with R_m q_m.
     t = collinear_coefficients(k, rotary_dims)
@@ -87,7 +91,7 @@ def test_coca_strict_fused_equals_explicit_eq10(rotary_dims: int) -> None:
     assert (scheme.reference_scores(q, k, tables, tables) - oracle).abs().max() <= 1e-10
 
     scale = 1 / math.sqrt(D)
-    via_sdpa = sdpa_attention(scheme.transform_query(q, tables), scheme.transform_key(k, tables), v, positions, positions, None, scale)
+    via_sdpa = sdpa_attention(scheme.transform_query(q, tables), scheme.transform_key(k, tables), v, "causal", positions, positions, None, scale)
     via_reference = reference_attention(oracle, v, positions, positions, None, scale)
     assert (via_sdpa - via_reference).abs().max() <= 1e-10
 
@@ -96,7 +100,7 @@ def test_coca_strict_eq18_closed_form() -> None:
     """score(m, n) = sum_j c_{n,j} |q_{m,j}|^2 cos((m - n) theta_j)  (full rotary)."""
     q, k, _ = make_inputs(2)
     tables = tables_for(torch.arange(T))
-    scores = fused_scores(CoCAStrict(D), q, k, tables, tables)
+    scores = fused_scores(CoCAStrict(rotary_for(D)), q, k, tables, tables)
     c = collinear_coefficients(k, D)[..., : D // 2]
     norm2 = q[..., : D // 2] ** 2 + q[..., D // 2 :] ** 2
     theta = 10000.0 ** (-torch.arange(D // 2, dtype=torch.float64) * 2 / D)
@@ -125,7 +129,7 @@ def test_strict_key_is_collinear_with_its_query_in_every_pair() -> None:
 
 @pytest.mark.parametrize(
     "scheme, invariant",
-    [(RoPE(), True), (CoCAStrict(D), True), (CoCASlack(D), False)],
+    [(RoPE(rotary_for()), True), (CoCAStrict(rotary_for(D)), True), (CoCASlack(rotary_for(D)), False)],
     ids=["rope", "coca_strict", "coca_slack"],
 )
 def test_shifting_all_positions(scheme, invariant: bool) -> None:
@@ -167,8 +171,8 @@ def test_coca_gradients_match_autograd_of_the_plain_formulas(rotary_dims: int) -
     tables = RotaryEmbedding(rotary_dims, 10000.0, RopeScalingConfig(type="yarn", factor=4.0), 16).tables(
         torch.arange(T), T, torch.float64)
     q.requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda x: CoCASlack(rotary_dims).transform_query(x, tables), (q,))
+    assert torch.autograd.gradcheck(lambda x: CoCASlack(rotary_for(rotary_dims)).transform_query(x, tables), (q,))
     upstream = torch.randn(B, H, T, D, dtype=torch.float64)
-    (grad_lean,) = torch.autograd.grad(CoCASlack(rotary_dims).transform_query(q, tables), q, upstream)
+    (grad_lean,) = torch.autograd.grad(CoCASlack(rotary_for(rotary_dims)).transform_query(q, tables), q, upstream)
     (grad_plain,) = torch.autograd.grad(q * apply_rotary(q, tables), q, upstream)
     assert (grad_lean - grad_plain).abs().max() <= 1e-12

@@ -31,11 +31,10 @@ from typing import Any
 import torch
 
 from megatron_lite import config as config_lib
-from megatron_lite.config import BACKENDS, ModelConfig
+from megatron_lite.config import BACKENDS, AttentionConfig, ModelConfig
 from megatron_lite.model.attention import SelfAttention, check_backend_available
 from megatron_lite.model.gpt import DTYPES
-from megatron_lite.model.position import PositionContext, PositionScheme, build_position_scheme, build_rotary
-from megatron_lite.model.rope import RotaryEmbedding
+from megatron_lite.model.position import PositionContext, PositionScheme, build_context, build_position_scheme
 from megatron_lite.bench.memory import track_peak_memory
 
 # label -> (model.position.scheme, model.position.constraint)
@@ -228,23 +227,23 @@ def estimate_peak_bytes(
 # One step
 
 
-def position_context(rotary: RotaryEmbedding | None, seq_len: int, device: torch.device) -> PositionContext:
-    """What GPT.forward builds per forward: positions and (rotary schemes) the cos/sin tables."""
-    positions = torch.arange(seq_len, device=device)  # (N,)
-    tables = rotary.tables(positions, seq_len) if rotary is not None else None  # (N, r) float32
-    return PositionContext(positions=positions, rope_length=seq_len, rotary=rotary, tables=tables)
+def position_context(scheme: PositionScheme, attention: AttentionConfig, seq_len: int,
+                     device: torch.device) -> PositionContext:
+    """What GPT.forward builds per forward: positions, the mask mode and (rotary schemes) the cos/sin tables."""
+    token_ids_1N = torch.ones(1, seq_len, dtype=torch.long, device=device)  # only its shape counts (no documents)
+    return build_context(scheme, attention, token_ids_1N)
 
 
-def train_step(module: SelfAttention, scheme: PositionScheme, rotary: RotaryEmbedding | None, x_BNC: torch.Tensor) -> None:
-    out_BNC = module(x_BNC, scheme, position_context(rotary, x_BNC.shape[1], x_BNC.device))
+def train_step(module: SelfAttention, scheme: PositionScheme, attention: AttentionConfig, x_BNC: torch.Tensor) -> None:
+    out_BNC = module(x_BNC, scheme, position_context(scheme, attention, x_BNC.shape[1], x_BNC.device))
     loss = out_BNC.float().sum()
     del out_BNC  # sum's backward needs no input: the peak then counts only what autograd keeps
     loss.backward()
 
 
-def infer_step(module: SelfAttention, scheme: PositionScheme, rotary: RotaryEmbedding | None, x_BNC: torch.Tensor) -> None:
+def infer_step(module: SelfAttention, scheme: PositionScheme, attention: AttentionConfig, x_BNC: torch.Tensor) -> None:
     with torch.no_grad():
-        module(x_BNC, scheme, position_context(rotary, x_BNC.shape[1], x_BNC.device))
+        module(x_BNC, scheme, position_context(scheme, attention, x_BNC.shape[1], x_BNC.device))
 
 
 def synchronize(device: torch.device) -> None:
@@ -272,7 +271,7 @@ class _Case:
 
     label: str
     scheme: PositionScheme
-    rotary: RotaryEmbedding | None
+    attention: AttentionConfig
     record: dict[str, Any]
     times_ms: list[float] = field(default_factory=list)
     failed: bool = False
@@ -318,7 +317,7 @@ def _run_group(
     module: SelfAttention,
     backend: str,
     seq_len: int,
-    schemes: dict[str, tuple[PositionScheme, RotaryEmbedding | None]],
+    schemes: dict[str, tuple[PositionScheme, AttentionConfig]],
     progress: Callable[[str], None],
 ) -> list[dict[str, Any]]:
     """All schemes at one (backend, seq_len)."""
@@ -338,7 +337,7 @@ def _run_group(
 
     group: list[dict[str, Any]] = []
     cases: list[_Case] = []
-    for label, (scheme, rotary) in schemes.items():
+    for label, (scheme, attention) in schemes.items():
         record = _empty_record(label, backend, seq_len, settings)
         group.append(record)
         estimate = estimate_peak_bytes(
@@ -351,7 +350,7 @@ def _run_group(
                 f"estimated training peak {estimate / GB:.1f} GB exceeds the memory budget {budget / GB:.1f} GB"
             )
         else:
-            cases.append(_Case(label, scheme, rotary, record))
+            cases.append(_Case(label, scheme, attention, record))
 
     # Timing: the repeats go round-robin over the schemes so that load changes on a shared machine
     # hit every scheme alike instead of biasing the ratios.
@@ -365,7 +364,7 @@ def _run_group(
             try:
                 synchronize(device)
                 start = time.perf_counter()
-                train_step(module, case.scheme, case.rotary, x_BNC)
+                train_step(module, case.scheme, case.attention, x_BNC)
                 synchronize(device)
                 elapsed_ms = (time.perf_counter() - start) * 1e3
             except RuntimeError as error:  # torch.OutOfMemoryError included
@@ -384,12 +383,12 @@ def _run_group(
             x_BNC = fresh_input(requires_grad=True)
             module.zero_grad(set_to_none=True)
             module.train()
-            train_peak = peak_bytes(lambda: train_step(module, case.scheme, case.rotary, x_BNC), device)
+            train_peak = peak_bytes(lambda: train_step(module, case.scheme, case.attention, x_BNC), device)
             module.zero_grad(set_to_none=True)
             del x_BNC
             x_BNC = fresh_input(requires_grad=False)
             module.eval()
-            infer_peak = peak_bytes(lambda: infer_step(module, case.scheme, case.rotary, x_BNC), device)
+            infer_peak = peak_bytes(lambda: infer_step(module, case.scheme, case.attention, x_BNC), device)
             del x_BNC
         except RuntimeError as error:
             fail(case, error)
@@ -438,10 +437,10 @@ def run_benchmark(settings: BenchSettings, progress: Callable[[str], None] | Non
             reference_state = {name: tensor.clone() for name, tensor in module.state_dict().items()}
         module.load_state_dict(reference_state)
         module.to(device=device, dtype=dtype)
-        schemes: dict[str, tuple[PositionScheme, RotaryEmbedding | None]] = {}
+        schemes: dict[str, tuple[PositionScheme, AttentionConfig]] = {}
         for label in SCHEMES:
             config = model_config(settings, label, backend)
-            schemes[label] = (build_position_scheme(config).to(device), build_rotary(config))
+            schemes[label] = (build_position_scheme(config).to(device), config.attention)
         for seq_len in settings.seq_lens:
             records.extend(_run_group(settings, module, backend, seq_len, schemes, progress))
         del module

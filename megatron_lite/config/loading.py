@@ -180,6 +180,16 @@ def validate(config: Config) -> Config:
         "model.attention.backend=flash needs precision bf16 or fp16 (flash-attn has no fp32 kernels), got precision=fp32",
     )
     _require(model.attention.chunk_size > 0, f"model.attention.chunk_size={model.attention.chunk_size}: must be positive")
+    _require(
+        not model.attention.document_mask or model.attention.backend in ("flex", "reference"),
+        f"model.attention.document_mask=true needs model.attention.backend flex or reference, got "
+        f"{model.attention.backend!r}",
+    )
+    _require(
+        not (model.attention.backend == "flex" and model.attention_dropout > 0),
+        f"model.attention.backend=flex has no attention dropout; model.attention_dropout={model.attention_dropout} "
+        "needs sdpa, flash, chunked or reference",
+    )
 
     data = config.data
     _require(0.0 <= data.validation_fraction < 1.0,

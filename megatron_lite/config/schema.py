@@ -16,7 +16,7 @@ from typing import Any, Literal
 SchemeName = Literal["none", "learned", "sinusoidal", "alibi", "rope", "coca"]
 CocaConstraint = Literal["slack", "strict"]
 ScalingType = Literal["none", "linear", "ntk", "dynamic", "yarn"]
-AttentionBackend = Literal["sdpa", "flash", "chunked", "reference"]
+AttentionBackend = Literal["sdpa", "flash", "flex", "chunked", "reference"]
 SourceType = Literal["hf", "jsonl", "text", "parquet", "python_docs", "python_code", "megatron"]
 
 SCHEMES: tuple[str, ...] = typing.get_args(SchemeName)
@@ -99,11 +99,19 @@ class AttentionConfig:
 
     backend: AttentionBackend = _doc(
         "Kernel: sdpa (torch scaled_dot_product_attention; FlashAttention on GPU) | flash "
-        "(flash-attn package, CUDA) | chunked (query blocks, O(chunk * N) memory, any scheme incl. "
-        "ALiBi) | reference (materialised scores exactly as the paper computes them; slow, for tests).",
+        "(flash-attn package, CUDA) | flex (torch FlexAttention, torch >= 2.5: every scheme, ALiBi as a "
+        "score_mod, block-sparse causal and document masks) | chunked (query blocks, O(chunk * N) memory, "
+        "any scheme incl. ALiBi) | reference (materialised scores exactly as the paper computes them; slow, "
+        "for tests).",
         default="sdpa",
     )
     chunk_size: int = _doc("Query block size of the chunked backend.", default=1024)
+    document_mask: bool = _doc(
+        "Within a packed window a token attends only to its own document (documents end at eod_token_id; "
+        "positions still run on across them). Off as in the paper; backends flex and reference only.",
+        default=False,
+    )
+    eod_token_id: int = _doc("Token id that ends a document (document_mask); our tokenizer's EOD is 0.", default=0)
 
 
 @dataclass
@@ -289,6 +297,14 @@ class TrainConfig:
         "Micro batches per rank per optimizer step.", default=1
     )
     zero_stage: int = _doc("DeepSpeed ZeRO stage 0-3.", default=0)
+    compile: bool | None = _doc(
+        "torch.compile every block in place (state-dict keys unchanged); null: on with CUDA, off on CPU.",
+        default=None,
+    )
+    fused_loss: bool = _doc(
+        "LM head + cross entropy in token chunks, recomputed in backward: the (B, T, V) float32 logits never "
+        "exist at once. Same loss and gradients as the plain path.", default=True,
+    )
     lr: float = _doc("Peak learning rate, reached at the end of warm-up (paper: 1e-4).", default=1.0e-4)
     min_lr: float = _doc("Learning rate at the last step (paper: 1e-5).", default=1.0e-5)
     warmup: float = _doc("Warm-up length as a fraction of train_iters (paper: 0.01).", default=0.01)

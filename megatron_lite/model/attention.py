@@ -1,8 +1,13 @@
 """Fused QKV projection + kernel dispatch. The kernel never knows which position scheme ran.
 
+The mask mode (causal, decode against a cache, general) comes from the PositionContext, decided once
+per forward from the call's structure: no kernel path reads a device tensor to choose its mask.
+
 Backends (model.attention.backend):
   sdpa       torch scaled_dot_product_attention (FlashAttention / memory-efficient on GPU).
   flash      flash-attn 2 package (CUDA, fp16/bf16); ALiBi through its ``alibi_slopes``.
+  flex       torch FlexAttention (torch >= 2.5): ALiBi as a score_mod, causal and document masks as
+             one block mask per forward (megatron_lite/model/flex.py).
   chunked    query blocks of ``chunk_size`` over the visible keys: O(chunk * N) memory for any
              scheme, ALiBi included; the long-context path on CPU and GPU.
   reference  materialised scores exactly as the paper computes them (scheme.reference_scores).
@@ -18,8 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lite.config import BACKENDS, ModelConfig
+from megatron_lite.model import flex
 from megatron_lite.model.kv_cache import LayerCache
-from megatron_lite.model.position import PositionContext, PositionScheme
+from megatron_lite.model.position import MaskMode, PositionContext, PositionScheme, mask_mode
 
 
 def causal_allowed(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
@@ -43,17 +49,16 @@ def sdpa_attention(
     q_BHTD: torch.Tensor,
     k_BHSD: torch.Tensor,
     v_BHSD: torch.Tensor,
+    mode: MaskMode,
     q_positions: torch.Tensor,
     k_positions: torch.Tensor,
     slopes_H: torch.Tensor | None,
     scale: float,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
-    if slopes_H is None and q_positions.shape == k_positions.shape and torch.equal(q_positions, k_positions):
-        # Same tokens as queries and keys: the kernel's own causal path (no mask tensor).
+    if slopes_H is None and mode == "causal":  # the kernel's own causal path (no mask tensor)
         return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, is_causal=True, scale=scale, dropout_p=dropout_p)
-    if slopes_H is None and bool(k_positions.max() <= q_positions.min()):
-        # Decoding: every cached key precedes every query.
+    if slopes_H is None and mode == "decode":  # every cached key precedes the one query
         return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, scale=scale, dropout_p=dropout_p)
     mask = attention_mask(q_positions, k_positions, slopes_H, q_BHTD.dtype)
     if mask.dim() == 3:
@@ -64,14 +69,16 @@ def sdpa_attention(
 def chunked_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, q_positions: torch.Tensor,
                       k_positions: torch.Tensor, slopes_H: torch.Tensor | None, scale: float, chunk_size: int,
                       dropout_p: float = 0.0) -> torch.Tensor:
-    """Query blocks; each attends only to keys up to its last position (positions ascending)."""
+    """Query blocks; each attends only to the keys up to its last query. The S - T keys before the first
+    query are cached ones, so a block's visible keys follow from the shapes alone."""
+    length, cached = q_BHTD.shape[-2], k_BHSD.shape[-2] - q_BHTD.shape[-2]
     outputs = []
-    for start in range(0, q_BHTD.shape[-2], chunk_size):
-        block = slice(start, start + chunk_size)
-        num_visible = int(torch.searchsorted(k_positions, q_positions[block][-1], right=True))
-        visible = slice(0, num_visible)
-        outputs.append(sdpa_attention(q_BHTD[:, :, block], k_BHSD[:, :, visible], v_BHSD[:, :, visible],
-                                      q_positions[block], k_positions[visible], slopes_H, scale, dropout_p))
+    for start in range(0, length, chunk_size):
+        end = min(start + chunk_size, length)
+        visible = slice(0, cached + end)
+        outputs.append(sdpa_attention(q_BHTD[:, :, start:end], k_BHSD[:, :, visible], v_BHSD[:, :, visible],
+                                      mask_mode(cached + start, end - start), q_positions[start:end],
+                                      k_positions[visible], slopes_H, scale, dropout_p))
     return torch.cat(outputs, dim=-2)
 
 
@@ -99,12 +106,17 @@ def reference_attention(
     k_positions: torch.Tensor,
     slopes_H: torch.Tensor | None,
     scale: float,
+    document_ids_BT: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax over materialised scores (computed in at least float32)."""
+    """Softmax over materialised scores (computed in at least float32); with ``document_ids_BT`` (self-attention
+    only) a query also sees only keys of its own document."""
     compute_dtype = torch.promote_types(scores_BHTS.dtype, torch.float32)
     scores = scores_BHTS.to(compute_dtype) * scale
     mask = attention_mask(q_positions, k_positions, slopes_H, compute_dtype)
     scores = scores + mask if slopes_H is not None else scores.masked_fill(~mask, float("-inf"))
+    if document_ids_BT is not None:
+        same_document_BTS = document_ids_BT[:, :, None] == document_ids_BT[:, None, :]
+        scores = scores.masked_fill(~same_document_BTS[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v_BHSD.dtype)
     return probs @ v_BHSD
 
@@ -116,6 +128,8 @@ def flash_available() -> bool:
 def check_backend_available(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"model.attention.backend={backend!r}: must be one of {', '.join(BACKENDS)}")
+    if backend == "flex":
+        flex.check_flex_available()
     if backend == "flash" and not flash_available():
         raise ValueError(
             "model.attention.backend='flash' needs the flash-attn package and a CUDA device; "
@@ -153,7 +167,8 @@ class SelfAttention(nn.Module):
             if cache is not None:
                 keys_BHSD, v_BHSD, k_positions = cache.append(k_BHTD, v_BHTD, ctx.positions)
             scores = scheme.reference_scores(q_BHTD, keys_BHSD, ctx.tables, ctx.tables_at(k_positions))
-            out_BHTD = reference_attention(scores, v_BHSD, ctx.positions, k_positions, slopes_H, self.scale)
+            out_BHTD = reference_attention(scores, v_BHSD, ctx.positions, k_positions, slopes_H, self.scale,
+                                           ctx.document_ids)
         else:
             q_BHTD = scheme.transform_query(q_BHTD, ctx.tables)
             keys_BHSD = scheme.transform_key(k_BHTD, ctx.tables)
@@ -161,7 +176,11 @@ class SelfAttention(nn.Module):
             if cache is not None:
                 keys_BHSD, v_BHSD, k_positions = cache.append(keys_BHSD, v_BHTD, ctx.positions)
             if self.backend == "sdpa":
-                out_BHTD = sdpa_attention(q_BHTD, keys_BHSD, v_BHSD, ctx.positions, k_positions, slopes_H, self.scale, dropout_p)
+                out_BHTD = sdpa_attention(q_BHTD, keys_BHSD, v_BHSD, ctx.mask_mode, ctx.positions, k_positions,
+                                          slopes_H, self.scale, dropout_p)
+            elif self.backend == "flex":
+                out_BHTD = flex.flex_attention_forward(q_BHTD, keys_BHSD, v_BHSD, ctx.block_mask, ctx.positions,
+                                                  k_positions, slopes_H, self.scale)
             elif self.backend == "chunked":
                 out_BHTD = chunked_attention(
                     q_BHTD, keys_BHSD, v_BHSD, ctx.positions, k_positions, slopes_H, self.scale, self.chunk_size, dropout_p

@@ -7,6 +7,7 @@ scheme: it asks the scheme for an embedding and hands it to every attention laye
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -17,7 +18,9 @@ from torch.utils.checkpoint import checkpoint
 from megatron_lite.config import Config, ModelConfig, RopeScalingConfig
 from megatron_lite.model.attention import SelfAttention
 from megatron_lite.model.kv_cache import KVCache, LayerCache
-from megatron_lite.model.position import PositionContext, PositionScheme, build_position_scheme, build_rotary
+from megatron_lite.model.loss import LMHead
+from megatron_lite.model.position import PositionContext, PositionScheme, build_context, build_position_scheme, build_rotary
+from megatron_lite.model.rope import RotaryEmbedding
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -66,10 +69,9 @@ class GPT(nn.Module):
         self.config = config
         self.embed_in = nn.Embedding(config.padded_vocab_size, config.hidden_size)
         self.position = build_position_scheme(config)
-        self.rotary = build_rotary(config)
         self.layers = nn.ModuleList(GPTNeoXBlock(config) for _ in range(config.num_layers))
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
-        self.lm_head = nn.Linear(config.hidden_size, config.padded_vocab_size, bias=False)
+        self.lm_head = LMHead(config.hidden_size, config.padded_vocab_size)
         if not config.no_weight_tying:
             self.lm_head.weight = self.embed_in.weight
         self.reset_parameters()
@@ -98,12 +100,20 @@ class GPT(nn.Module):
             else:
                 parameter.normal_(0.0, input_std)
 
+    @property
+    def rotary(self) -> RotaryEmbedding | None:
+        """The position scheme's rotary embedding (rope, coca), None for other schemes."""
+        return self.position.rotary
+
     def set_rope_scaling(self, scaling: RopeScalingConfig) -> None:
-        """Switch the inference-time RoPE scaling (rope and coca); ValueError for other schemes."""
+        """Switch the inference-time RoPE scaling (rope and coca); ValueError for other schemes. The model
+        gets its own copy of the config: a config shared with other models or a caller stays unchanged."""
         if not self.config.uses_rotary:
             raise ValueError(f"RoPE scaling {scaling.type!r} needs a rotary scheme, model uses {self.config.position.scheme!r}")
-        self.config.position.scaling = scaling
-        self.rotary = build_rotary(self.config)
+        config = copy.deepcopy(self.config)
+        config.position.scaling = scaling
+        self.config = config
+        self.position.rotary = build_rotary(config)
 
     def new_cache(self, max_length: int) -> KVCache:
         return KVCache(self.config.num_layers, max_length)
@@ -116,8 +126,11 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         rope_length: int | None = None,
         logits_from: int = 0,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logits (B, T - logits_from, padded_vocab): the positions from ``logits_from`` on.
+        """Logits (B, T - logits_from, padded_vocab): the positions from ``logits_from`` on; with ``labels``
+        (B, T - logits_from), already shifted, the mean float32 cross entropy instead (``lm_head.fused``:
+        chunked, the logits never whole).
 
         positions: (T,) ascending; default continues after what ``cache`` holds.
         rope_length: length that fixes the dynamic-NTK base; default the cache's max_length
@@ -125,22 +138,12 @@ class GPT(nn.Module):
         logits_from: skip the LM head before this position; evaluation and decoding need only a
         suffix, and the (T, V) head output is the largest activation at long windows.
         """
-        length = input_ids_BT.shape[1]
-        offset = cache.length if cache is not None else 0
-        if positions is None:
-            positions = torch.arange(offset, offset + length, device=input_ids_BT.device)
-            last_position = offset + length - 1
-        else:
-            last_position = int(positions[-1])
-        if rope_length is None:
-            rope_length = cache.max_length if cache is not None else last_position + 1
-        tables = None
-        if self.rotary is not None:
-            tables = self.rotary.tables(positions, rope_length, self.embed_in.weight.dtype)
-        ctx = PositionContext(positions=positions, rope_length=rope_length, rotary=self.rotary, tables=tables)
+        ctx = build_context(self.position, self.config.attention, input_ids_BT, positions,
+                            cache.cached_positions() if cache is not None else None, rope_length,
+                            cache.max_length if cache is not None else None, self.embed_in.weight.dtype)
 
         x_BTC = self.embed_in(input_ids_BT)
-        position_embedding = self.position.embed(positions)
+        position_embedding = self.position.embed(ctx.positions, ctx.last_position)
         if position_embedding is not None:
             x_BTC = x_BTC + position_embedding.to(x_BTC.dtype)
         recompute = self.config.checkpoint_activations and self.training and cache is None
@@ -150,7 +153,7 @@ class GPT(nn.Module):
                 x_BTC = checkpoint(layer, x_BTC, self.position, ctx, None, use_reentrant=False)
             else:
                 x_BTC = layer(x_BTC, self.position, ctx, layer_cache)
-        return self.lm_head(self.final_layer_norm(x_BTC[:, logits_from:]))
+        return self.lm_head(self.final_layer_norm(x_BTC[:, logits_from:]), labels)
 
 
 def language_model_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

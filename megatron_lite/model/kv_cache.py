@@ -52,3 +52,8 @@ class KVCache:
     @property
     def length(self) -> int:
         return self.layers[0].length
+
+    def cached_positions(self) -> torch.Tensor | None:
+        """(length,) positions of what the cache holds; None while it is empty."""
+        layer = self.layers[0]
+        return None if layer.positions is None or layer.length == 0 else layer.positions[: layer.length]

@@ -30,28 +30,49 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Literal
 
 import opt_einsum
 import torch
 from torch import nn
 
-from megatron_lite.config import ModelConfig
+from megatron_lite.config import AttentionConfig, ModelConfig
+from megatron_lite.model import flex
 from megatron_lite.model.rope import RotaryEmbedding, RotaryTables, apply_rotary, rotate
+
+# Which keys a query sees, decided from the call's structure (never by reading device tensors, which
+# would be a host sync per layer on a GPU and a graph break under torch.compile):
+#   causal   no cached keys: keys are the queries' own tokens, key j visible to query i iff j <= i;
+#   decode   one query after cached keys: it sees every key (all precede it);
+#   general  several queries after cached keys: an explicit (T, S) mask from the positions.
+# Positions are ascending and continue after what the cache holds (GPT.forward's contract).
+MaskMode = Literal["causal", "decode", "general"]
 
 
 @dataclass
 class PositionContext:
-    """Per-forward position state, computed once by the model and shared by all layers."""
+    """Per-forward position state, built once by ``build_context`` and shared by all layers."""
 
     positions: torch.Tensor  # (T,) int64 positions of the current tokens
     rope_length: int  # sequence length that fixes the dynamic-NTK base for this forward/generation
     rotary: RotaryEmbedding | None
     tables: RotaryTables | None  # cos/sin at `positions`, None for non-rotary schemes
+    mask_mode: MaskMode = "causal"
+    last_position: int | None = None  # the last position when the call's structure tells it (no explicit positions)
+    document_ids: torch.Tensor | None = None  # (B, T) document of each token (model.attention.document_mask)
+    block_mask: Any = None  # FlexAttention BlockMask (backend flex), shared by all layers
 
     def tables_at(self, positions: torch.Tensor) -> RotaryTables | None:
         if self.rotary is None or self.tables is None:
             return None
         return self.rotary.tables(positions, self.rope_length, self.tables.cos.dtype)
+
+
+def mask_mode(cached: int, length: int) -> MaskMode:
+    """The mask of ``length`` new queries after ``cached`` keys (see MaskMode)."""
+    if cached == 0:
+        return "causal"
+    return "decode" if length == 1 else "general"
 
 
 def alibi_slopes(num_heads: int) -> list[float]:
@@ -118,10 +139,13 @@ def collinear_key_eq8(q_BHTD: torch.Tensor, t_BHTD: torch.Tensor) -> torch.Tenso
 
 
 class PositionScheme(nn.Module):
-    """Base: identity transforms, no embedding, no bias."""
+    """Base: identity transforms, no embedding, no bias. Rotary schemes own their ``rotary``."""
 
-    def embed(self, positions: torch.Tensor) -> torch.Tensor | None:
-        """Additive (T, hidden) embedding for absolute schemes; None otherwise."""
+    rotary: RotaryEmbedding | None = None
+
+    def embed(self, positions: torch.Tensor, last_position: int | None = None) -> torch.Tensor | None:
+        """Additive (T, hidden) embedding for absolute schemes; None otherwise. ``last_position`` is the
+        largest position when the caller knows it without reading ``positions``."""
         return None
 
     def transform_query(self, q_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
@@ -154,11 +178,13 @@ class LearnedPosition(PositionScheme):
         super().__init__()
         self.embedding = nn.Embedding(max_positions, hidden_size)
 
-    def embed(self, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, positions: torch.Tensor, last_position: int | None = None) -> torch.Tensor:
         limit = self.embedding.num_embeddings
-        if positions.numel() and int(positions.max()) >= limit:
+        if last_position is None and positions.numel():  # explicit positions (evaluation): one read
+            last_position = int(positions.max())
+        if last_position is not None and last_position >= limit:
             raise ValueError(
-                f"position {int(positions.max())} is beyond model.max_position_embeddings={limit} "
+                f"position {last_position} is beyond model.max_position_embeddings={limit} "
                 "of the learned scheme; learned positions cannot extrapolate"
             )
         return self.embedding(positions)
@@ -169,7 +195,7 @@ class SinusoidalPosition(PositionScheme):
         super().__init__()
         self.hidden_size = hidden_size
 
-    def embed(self, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, positions: torch.Tensor, last_position: int | None = None) -> torch.Tensor:
         """Vaswani et al.: sin on even, cos on odd dims; (T, hidden) float32."""
         dims = torch.arange(0, self.hidden_size, 2, dtype=torch.float64, device=positions.device)
         angles = positions.to(torch.float64)[:, None] / (10000.0 ** (dims / self.hidden_size))[None, :]
@@ -189,6 +215,10 @@ class ALiBi(PositionScheme):
 
 
 class RoPE(PositionScheme):
+    def __init__(self, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.rotary = rotary
+
     def transform_query(self, q_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
         assert tables is not None
         return apply_rotary(q_BHTD, tables)
@@ -201,9 +231,10 @@ class RoPE(PositionScheme):
 class _CoCA(PositionScheme):
     """Both CoCA variants: queries and keys are rewritten over the first ``rotary_dims`` of a head."""
 
-    def __init__(self, rotary_dims: int) -> None:
+    def __init__(self, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.rotary_dims = rotary_dims
+        self.rotary = rotary
+        self.rotary_dims = rotary.rotary_dims
 
 
 class CoCASlack(_CoCA):
@@ -275,12 +306,13 @@ def build_position_scheme(config: ModelConfig) -> PositionScheme:
         return SinusoidalPosition(config.hidden_size)
     if scheme == "alibi":
         return ALiBi(config.num_attention_heads)
+    rotary = build_rotary(config)
     if scheme == "rope":
-        return RoPE()
+        assert rotary is not None
+        return RoPE(rotary)
     if scheme == "coca":
-        if config.position.constraint == "slack":
-            return CoCASlack(config.rotary_dims)
-        return CoCAStrict(config.rotary_dims)
+        assert rotary is not None
+        return CoCASlack(rotary) if config.position.constraint == "slack" else CoCAStrict(rotary)
     raise ValueError(f"model.position.scheme={scheme!r}: unknown scheme")
 
 
@@ -289,3 +321,49 @@ def build_rotary(config: ModelConfig) -> RotaryEmbedding | None:
         return None
     position = config.position
     return RotaryEmbedding(config.rotary_dims, position.rotary_emb_base, position.scaling, config.rotary_train_length)
+
+
+def build_context(scheme: PositionScheme, attention: AttentionConfig, input_ids_BT: torch.Tensor,
+                  positions_T: torch.Tensor | None = None, cached_positions: torch.Tensor | None = None,
+                  rope_length: int | None = None, cache_max_length: int | None = None,
+                  table_dtype: torch.dtype = torch.float32) -> PositionContext:
+    """The per-forward position state of one call: positions, rotary tables, mask mode, document ids and
+    (backend flex) the block mask. Everything is decided from the call's structure (cache or not,
+    lengths); the only device read is the last of explicit ``positions_T``, and only when the dynamic-NTK
+    length needs it and no ``rope_length`` is given.
+
+    cached_positions: (S0,) positions already in the KV cache (None or empty: no cache content).
+    rope_length: the length that fixes the dynamic-NTK base; default ``cache_max_length`` (the final
+    length of a generation) or the last position + 1.
+    """
+    length, device = input_ids_BT.shape[1], input_ids_BT.device
+    cached = 0 if cached_positions is None else int(cached_positions.shape[0])
+    last_position: int | None = None
+    if positions_T is None:
+        positions_T = torch.arange(cached, cached + length, device=device)  # (T,) continue after the cache
+        last_position = cached + length - 1
+    rotary = scheme.rotary
+    if rope_length is None:
+        if cache_max_length is not None:
+            rope_length = cache_max_length
+        elif last_position is not None:
+            rope_length = last_position + 1
+        elif rotary is not None and rotary.scaling.type == "dynamic":
+            rope_length = int(positions_T[-1]) + 1  # evaluation with explicit positions: one read per forward
+        else:
+            rope_length = length  # unused: only dynamic NTK depends on it
+    tables = rotary.tables(positions_T, rope_length, table_dtype) if rotary is not None else None
+    mode = mask_mode(cached, length)
+    document_ids = None
+    if attention.document_mask:
+        if cached:
+            raise ValueError("model.attention.document_mask: decoding with a KV cache is not supported; "
+                             "generate with document_mask=false")
+        document_ids = flex.document_ids(input_ids_BT, attention.eod_token_id)  # (B, T)
+    block_mask = None
+    if attention.backend == "flex":
+        key_positions = positions_T if not cached else torch.cat([cached_positions, positions_T])  # type: ignore[list-item]
+        block_mask = flex.build_block_mask(positions_T, key_positions, document_ids, document_ids)
+    return PositionContext(positions=positions_T, rope_length=rope_length, rotary=rotary, tables=tables,
+                           mask_mode=mode, last_position=last_position, document_ids=document_ids,
+                           block_mask=block_mask)

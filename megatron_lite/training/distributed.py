@@ -63,9 +63,13 @@ def init_distributed() -> DistributedInfo:
     return DistributedInfo(rank, local_rank, world_size, device)
 
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum a few floats over all ranks in one collective (float64 so step counts stay exact)."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> list[float]:
+    """Sum a few floats (or a small tensor of them, read once) over all ranks in one collective (float64 so
+    step counts stay exact)."""
+    if isinstance(values, torch.Tensor):
+        tensor = values.detach().to(device=device, dtype=torch.float64)
+    else:
+        tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
     return tensor.tolist()

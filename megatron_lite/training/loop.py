@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader
 from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
-from megatron_lite.console import console
-from megatron_lite.model import GPT, language_model_loss
+from megatron_lite.console import console, notice
+from megatron_lite.model import GPT
 from megatron_lite.model.params import counted_parameter_count
 from megatron_lite.training import metrics as metrics_lib
 from megatron_lite.training.checkpointing import (
@@ -84,6 +84,26 @@ def _set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def use_compile(config: Config, device: torch.device) -> bool:
+    """train.compile, where null means on for CUDA and off on CPU (compiling costs more than it saves
+    on CPU at the sizes that train there)."""
+    return config.train.compile if config.train.compile is not None else device.type == "cuda"
+
+
+def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: DistributedInfo) -> bool:
+    """``model.compile()``: the module's own call is compiled, so its state-dict keys stay as they are
+    (no ``_orig_mod.`` prefix) and checkpoints move freely between compiled and eager runs."""
+    if not use_compile(config, dist_info.device):
+        return False
+    if config.train.zero_stage == 3:  # ZeRO-3 gathers parameters in module hooks that a compiled graph would trace
+        if dist_info.is_main:
+            notice("train.compile: not with train.zero_stage=3 (its parameter-gathering hooks do not trace); "
+                   "training eagerly")
+        return False
+    model.compile()
+    return True
+
+
 def train_step(engine: Any, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
                inject_nonfinite: bool = False) -> torch.Tensor:
     """Forward/backward over one step's micro batches (DeepSpeed accumulates); returns the (local)
@@ -92,7 +112,7 @@ def train_step(engine: Any, micro_batches: list[dict[str, torch.Tensor]], device
     for batch in micro_batches:
         input_ids = batch["input_ids"].to(device, non_blocking=True)  # (B, T)
         labels = batch["labels"].to(device, non_blocking=True)  # (B, T), already shifted
-        loss = language_model_loss(engine(input_ids), labels)
+        loss = engine(input_ids, labels=labels)  # fused LM head + cross entropy (train.fused_loss)
         if inject_nonfinite:
             loss = loss * float("nan")
         engine.backward(loss)
@@ -110,8 +130,7 @@ def evaluate(engine: Any, loader: DataLoader, num_batches: int, device: torch.de
     for index, batch in enumerate(loader):
         if index == num_batches:
             break
-        logits = engine(batch["input_ids"].to(device))  # (B, T, V)
-        total += float(language_model_loss(logits, batch["labels"].to(device)))
+        total += float(engine(batch["input_ids"].to(device), labels=batch["labels"].to(device)))
         count += 1
     engine.train()
     summed, counted = all_reduce_sum([total, float(count)], device)
@@ -170,6 +189,8 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
         _load_initial_weights(model, config)
         if dist_info.is_main:
             console(f"initialised weights from {config.train.init_from}")
+    model.lm_head.fused = config.train.fused_loss
+    compiled = _compile_in_place(model, config, dist_info)
     optimizer = build_optimizer(model, config.train)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                       config=deepspeed_config(config, batch_sizes))
@@ -188,7 +209,8 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
     if dist_info.is_main:
         console(
             f"model: {counted_parameter_count(config.model):,} parameters, scheme {config.model.position.label}, "
-            f"precision {config.precision}, ZeRO {config.train.zero_stage}, {dist_info.world_size} rank(s) on "
+            f"precision {config.precision}{' (compiled)' if compiled else ''}, ZeRO {config.train.zero_stage}, "
+            f"{dist_info.world_size} rank(s) on "
             f"{dist_info.device.type}; batch {batch_sizes.global_batch_size} = {batch_sizes.micro_batch_size} x "
             f"{batch_sizes.gradient_accumulation_steps} x {batch_sizes.data_parallel_size}; {data.total_steps} steps "
             f"({data.steps_source}); run dir {run_dir}"
@@ -214,10 +236,11 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
             _set_learning_rate(optimizer, lr)
             micro = _micro_batches(iterator, batch_sizes.gradient_accumulation_steps)
             local_loss = train_step(engine, micro, dist_info.device, inject_nonfinite=(state.step + 1) in injected)
-            local_finite = float(torch.isfinite(local_loss))
-            loss_sum, finite_ranks, stop_ranks = all_reduce_sum(
-                [float(local_loss) if local_finite else 0.0, local_finite, float(stop.signal_name is not None)],
-                dist_info.device)
+            finite = torch.isfinite(local_loss)
+            step_values = torch.stack([torch.where(finite, local_loss, torch.zeros_like(local_loss)), finite.float(),
+                                       local_loss.new_tensor(float(stop.signal_name is not None))])  # (3,)
+            # the step's one host read: summed over ranks for the non-finite skip and the stop agreement
+            loss_sum, finite_ranks, stop_ranks = all_reduce_sum(step_values, dist_info.device)
             skip = finite_ranks < dist_info.world_size
             log_now = (state.step + 1) % train.log_interval == 0 or state.step == 0 or state.step + 1 == data.total_steps
             own_grad_norm = _grad_norm(engine) if log_now and not skip and _deepspeed_skips_grad_norm(config) else None

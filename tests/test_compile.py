@@ -1,0 +1,88 @@
+"""The training hot path under torch.compile: every scheme on sdpa and flex, with and without activation
+checkpointing, compiles as one graph (fullgraph=True: no graph break, so no host sync decides anything)
+and gives eager's loss and gradients; a train.compile=true run resumes eagerly and converts to HF."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from megatron_lite import checkpoint_dirs
+from megatron_lite.model import GPT
+from megatron_lite.model.flex import flex_available
+from training_helpers import run_train, tiny_train_config, train_losses, write_config
+
+SCHEMES = [("none", "slack"), ("learned", "slack"), ("sinusoidal", "slack"), ("alibi", "slack"), ("rope", "slack"),
+           ("coca", "slack"), ("coca", "strict")]
+BACKENDS = ["sdpa", pytest.param("flex", marks=pytest.mark.skipif(not flex_available(), reason="needs FlexAttention"))]
+
+
+def loss_and_gradients(model: GPT, forward, ids: torch.Tensor, labels: torch.Tensor):
+    model.zero_grad(set_to_none=True)
+    loss = forward(ids, labels)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_same_step(model: GPT, compiled, tolerance: float) -> None:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 250, (2, 16), generator=generator)  # (B, T)
+    labels = torch.randint(0, 250, (2, 16), generator=generator)
+
+    def eager(ids_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        return model(ids_BT, labels=labels_BT)
+
+    expected_loss, expected = loss_and_gradients(model, eager, ids, labels)
+    loss, gradients = loss_and_gradients(model, compiled(eager), ids, labels)
+    torch.testing.assert_close(loss, expected_loss, rtol=tolerance, atol=tolerance)
+    assert gradients.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(gradients[name], expected[name], rtol=tolerance, atol=tolerance, msg=name)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("scheme", "constraint"), SCHEMES, ids=[f"{s}_{c}" if s == "coca" else s for s, c in SCHEMES])
+def test_training_forward_compiles_as_one_graph_and_equals_eager(scheme: str, constraint: str, backend: str,
+                                                                  checkpointing: bool) -> None:
+    torch._dynamo.reset()
+    model = GPT(tiny_config(scheme, constraint, backend, checkpoint_activations=checkpointing).model).train()
+    assert_same_step(model, lambda fn: torch.compile(fn, fullgraph=True, backend="aot_eager"), 1e-5)
+
+
+def test_inductor_compiles_coca_slack() -> None:
+    """One real (inductor) compile: generated kernels, not only the traced graph."""
+    torch._dynamo.reset()
+    model = GPT(tiny_config("coca", "slack").model).train()
+    assert_same_step(model, lambda fn: torch.compile(fn, fullgraph=True), 1e-5)
+
+
+def test_compile_in_place_keeps_state_dict_keys() -> None:
+    model = GPT(tiny_config("rope").model)
+    keys = list(model.state_dict())
+    model.compile()
+    assert list(model.state_dict()) == keys and not any("_orig_mod" in key for key in keys)
+
+
+def test_compiled_run_resumes_eagerly_and_converts(training_corpus, tmp_path: Path) -> None:
+    """train.compile=true for 2 steps (inductor), then the same run resumed with it off to step 4, then the
+    checkpoint exported to Hugging Face: the keys never change with compilation."""
+    from script_loading import load_script
+
+    mix, cache = training_corpus
+    settings = dict(train_iters=4, save_interval=2, eval_interval=0, gradient_accumulation_steps=1)
+    config = write_config(tmp_path / "compiled.yml", tiny_train_config(mix, cache, compile=True, **settings))
+    first = run_train(config, tmp_path / "run", "--train-iters", "2")
+    assert "(compiled)" in first.stdout
+    eager = write_config(tmp_path / "eager.yml", tiny_train_config(mix, cache, compile=False, **settings))
+    second = run_train(eager, tmp_path / "run")
+    assert "resumed from" in second.stdout and "(compiled)" not in second.stdout
+    assert sorted(train_losses(tmp_path / "run")) == [1, 2, 3, 4]
+    converter = load_script("tools/convert_checkpoint.py")
+    assert converter.main([str(tmp_path / "run"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    step = checkpoint_dirs.latest_complete(tmp_path / "run" / checkpoint_dirs.CHECKPOINTS_DIR)
+    assert step is not None and step.name == "step_00000004"
