@@ -200,3 +200,53 @@ def test_cli_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert data["meta"]["torch_version"] == torch.__version__
     assert "| rope | sdpa | 32 |" in capsys.readouterr().out
     assert cli.main(["--seq-lens", "32", "--num-heads", "5", "--hidden-size", "64", "--device", "cpu"]) == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# flex
+
+
+@pytest.mark.parametrize("available", [True, False])
+def test_default_backends_include_flex_when_available(monkeypatch: pytest.MonkeyPatch, available: bool) -> None:
+    monkeypatch.setattr(attention_bench, "flex_available", lambda: available)
+    backends = attention_bench.default_backends(torch.device("cpu"))
+    assert backends[:3] == ("sdpa", "chunked", "reference")
+    assert ("flex" in backends) is available
+
+
+def test_flex_estimate_is_quadratic_on_cpu_only() -> None:
+    dtype = DTYPES["fp32"]
+
+    def estimate(label: str, backend: str, seq_len: int, device: str = "cpu") -> int:
+        return estimate_peak_bytes(label, backend, 1, seq_len, 1024, 16, dtype, 1024, device)
+
+    # CPU flex training materialises (B, H, N, N) scores: at 8192 far above the 8 GB CPU budget,
+    # like the reference backend and unlike sdpa.
+    for label in SCHEMES:
+        assert estimate(label, "flex", 8192) > attention_bench.CPU_MEM_BUDGET_GB * GB
+        assert estimate(label, "flex", 8192) >= 4 * 16 * 8192**2 * 4
+        assert estimate(label, "flex", 8192, "cuda") < estimate(label, "sdpa", 8192) + 2**20  # fused: linear
+    assert estimate("rope", "sdpa", 8192) < attention_bench.CPU_MEM_BUDGET_GB * GB
+    assert estimate("alibi", "flex", 2048) > estimate("rope", "flex", 2048)  # the score_mod's bias
+
+
+def test_flex_rows_on_cpu_and_budget_skip() -> None:
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    settings = dict(TINY, seq_lens=(32, 64), backends=("sdpa", "flex"))
+    big = estimate_peak_bytes("rope", "flex", 1, 64, 64, 4, DTYPES["fp32"], 16)
+    small = estimate_peak_bytes("alibi", "flex", 1, 32, 64, 4, DTYPES["fp32"], 16)
+    assert small < big
+    result = run_benchmark(BenchSettings(**settings, mem_budget_gb=(small + big) / 2 / GB))
+    flex = {(r["scheme"], r["seq_len"]): r for r in result.records if r["backend"] == "flex"}
+    assert set(flex) == {(s, n) for s in SCHEMES for n in (32, 64)}
+    for (scheme, seq_len), record in flex.items():
+        assert RECORD_KEYS <= record.keys()
+        if seq_len == 64:
+            assert "budget" in record["skipped"]  # estimated above the budget: never run
+        else:
+            assert record["skipped"] is None, record
+            assert record["time_ms"] > 0 and record["peak_mem_mb"] > 0
+            assert record["infer_peak_mem_mb"] is None  # CPU flex inference: not trackable
+            # measured below the estimate (which errs high)
+            assert record["peak_mem_mb"] * MiB <= record["estimated_peak_mb"] * MiB
+    assert "| rope | flex | 32 |" in format_report(result)

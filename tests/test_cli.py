@@ -33,6 +33,7 @@ def bad_arguments(script: str, tmp_path: Path) -> tuple[list[str], str]:
         "tools/eval_long_context.py": (["--checkpoints", missing, "--out", str(tmp_path / "out"),
                                         "--passkey-lengths", "64"], missing),
         "tools/generate.py": ([missing], missing),
+        "tools/gpu_check.py": (["--only", "nonsense", "--out", missing], "nonsense"),
         "tools/reproduce_tiny.py": (["--books", missing, "--eval-books", missing, "--out", str(tmp_path / "out")],
                                     missing),
     }.get(script, ([*CONFIG, *BAD_KEY], "unknown config key train.no_such_key"))

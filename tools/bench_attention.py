@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-lens", type=_int_list, default=(512, 2048, 8192), help="comma-separated (default 512,2048,8192)")
     parser.add_argument("--batch-size", type=int, default=1, help="default 1")
     parser.add_argument("--backends", type=_name_list, default=None,
-                        help="comma-separated out of sdpa,chunked,reference,flash (default sdpa,chunked,reference, "
-                             "plus flash with CUDA + flash-attn)")
+                        help="comma-separated out of sdpa,chunked,reference,flex,flash (default sdpa,chunked,reference, "
+                             "plus flex where torch has FlexAttention, plus flash with CUDA + flash-attn)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default cuda if available)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="default fp32 on cpu, bf16 on cuda")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps; the median is reported (default 3)")

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Training-throughput benchmark: our tiny RoPE GPT vs Hugging Face GPTNeoXForCausalLM of identical
-dimensions and batch (target >= 1.0x), our CoCA slack/strict vs our RoPE (target >= 0.95x); with a GPU,
-tokens/s, TFLOP/s and MFU of the 350M config in bf16.
+dimensions and batch (target >= 1.0x), our CoCA slack/strict vs our RoPE (target >= 0.95x); every
+position scheme's training step compiled (model.compile(), inductor) vs eager (target >= 1.0x); with a
+GPU, tokens/s, TFLOP/s and MFU of the 350M config in bf16.
 
-    python tools/bench_train.py [--json OUT.json] [--config configs/tiny/rope.yml] [--rounds 5]
+    python tools/bench_train.py [--json OUT.json] [--config configs/tiny/rope.yml] [--rounds 5] [--no-compile]
 
 The logic lives in megatron_lite/bench/train_bench.py.
 """
@@ -17,7 +18,13 @@ from pathlib import Path
 
 import torch
 
-from megatron_lite.bench.train_bench import TrainBenchSettings, format_report, run_cpu_comparison, run_gpu_mfu
+from megatron_lite.bench.train_bench import (
+    COMPILE_SCHEMES,
+    TrainBenchSettings,
+    format_report,
+    run_cpu_comparison,
+    run_gpu_mfu,
+)
 from megatron_lite.cli import cli_main, run_cli
 
 
@@ -33,13 +40,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-config", default="configs/coca_350m.yml", help="config timed on the GPU, if any")
     parser.add_argument("--gpu-batch-size", type=int, default=16)
     parser.add_argument("--no-gpu", action="store_true", help="skip the GPU measurement")
+    parser.add_argument("--no-compile", action="store_true", help="skip the compiled-vs-eager rows")
+    parser.add_argument("--compile-schemes", nargs="+", default=list(COMPILE_SCHEMES), choices=list(COMPILE_SCHEMES),
+                        metavar="SCHEME", help=f"schemes timed compiled vs eager (default all: {' '.join(COMPILE_SCHEMES)})")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled rows")
     args = parser.parse_args(argv)
     for name in ("batch_size", "rounds", "steps_per_round", "gpu_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     settings = TrainBenchSettings(config_path=args.config, batch_size=args.batch_size, rounds=args.rounds,
                                   steps_per_round=args.steps_per_round, threads=args.threads,
-                                  gpu_config_path=args.gpu_config, gpu_batch_size=args.gpu_batch_size)
+                                  gpu_config_path=args.gpu_config, gpu_batch_size=args.gpu_batch_size,
+                                  compile_schemes=[] if args.no_compile else args.compile_schemes,
+                                  compile_backend=args.compile_backend)
     result = run_cpu_comparison(settings, progress=lambda line: print(line, file=sys.stderr, flush=True))
     if torch.cuda.is_available() and not args.no_gpu:
         result.gpu = run_gpu_mfu(settings)

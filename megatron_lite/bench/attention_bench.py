@@ -33,6 +33,7 @@ import torch
 from megatron_lite import config as config_lib
 from megatron_lite.config import BACKENDS, AttentionConfig, ModelConfig
 from megatron_lite.model.attention import SelfAttention, check_backend_available
+from megatron_lite.model.flex import flex_available
 from megatron_lite.model.gpt import DTYPES
 from megatron_lite.model.position import PositionContext, PositionScheme, build_context, build_position_scheme
 from megatron_lite.bench.memory import track_peak_memory
@@ -83,7 +84,7 @@ class BenchSettings:
 
     seq_lens: tuple[int, ...] = (512, 2048, 8192)
     batch_size: int = 1
-    backends: tuple[str, ...] | None = None  # default: sdpa, chunked, reference (+ flash when usable)
+    backends: tuple[str, ...] | None = None  # default: sdpa, chunked, reference (+ flex, + flash when usable)
     device: str | None = None  # default: cuda if available, else cpu
     dtype: str | None = None  # default: bf16 on cuda, fp32 on cpu
     repeats: int = 3
@@ -117,8 +118,13 @@ def flash_usable() -> bool:
 
 
 def default_backends(device: torch.device) -> tuple[str, ...]:
-    backends = ("sdpa", "chunked", "reference")
-    return backends + ("flash",) if device.type == "cuda" and flash_usable() else backends
+    """sdpa, chunked, reference; flex where torch has FlexAttention; flash on CUDA with flash-attn."""
+    backends: tuple[str, ...] = ("sdpa", "chunked", "reference")
+    if flex_available():
+        backends += ("flex",)
+    if device.type == "cuda" and flash_usable():
+        backends += ("flash",)
+    return backends
 
 
 def resolve_settings(settings: BenchSettings) -> BenchSettings:
@@ -184,7 +190,8 @@ def model_config(settings: BenchSettings, label: str, backend: str) -> ModelConf
 
 
 def estimate_peak_bytes(
-    label: str, backend: str, batch: int, seq_len: int, hidden: int, heads: int, dtype: torch.dtype, chunk_size: int
+    label: str, backend: str, batch: int, seq_len: int, hidden: int, heads: int, dtype: torch.dtype, chunk_size: int,
+    device: str | torch.device = "cpu",
 ) -> int:
     """Rough training-step peak in bytes above inputs + params, meant to err on the high side.
 
@@ -193,6 +200,12 @@ def estimate_peak_bytes(
     terms: what a kernel materialises, times the copies alive at once (forward temporaries, tensors
     saved for backward, their grads). Errs higher still on GPU, where the fused kernels take the
     ALiBi bias without materialising scores.
+
+    flex: on CUDA the fused kernel (forward and backward) materialises nothing quadratic but the
+    block mask. On CPU/MPS FlexAttention has no backward, so training runs ``dense_flex_attention``
+    (megatron_lite/model/flex.py): float32 scores, the masked scores, softmax probabilities and their
+    NaN-cleared copy (both saved for backward), their grads, the (T, S) boolean mask, and with ALiBi
+    the score_mod's (H, T, S) bias and its output: O(N^2) like the reference backend.
     """
     elem = torch.empty((), dtype=dtype).element_size()
     score_elem = max(elem, 4)  # the reference path computes scores and softmax in at least float32
@@ -207,6 +220,13 @@ def estimate_peak_bytes(
             quadratic += bias * score_elem
         if label == "coca_strict":
             quadratic += int(4.5 * scores * head_dim * elem)  # the Eq. 10 key tensor (B, H, N, N, D) + rotary temporaries
+    elif backend == "flex":
+        blocks = -(-seq_len // 128)
+        if torch.device(device).type in ("cpu", "mps"):
+            quadratic = 5 * scores * score_elem + seq_len * seq_len  # see the docstring
+            if label == "alibi":
+                quadratic += bias * score_elem
+        quadratic += 4 * blocks * blocks * 4  # block mask: counts and indices (int32), full and partial
     elif label == "alibi" and backend == "sdpa":
         # The fused CPU kernel rejects the 3-D (H, T, S) bias, so the math path materialises
         # (B, H, N, N) scores and probabilities next to the bias.
@@ -342,7 +362,7 @@ def _run_group(
         group.append(record)
         estimate = estimate_peak_bytes(
             label, backend, settings.batch_size, seq_len, settings.hidden_size, settings.num_heads, dtype,
-            settings.chunk_size,
+            settings.chunk_size, device,
         )
         record["estimated_peak_mb"] = estimate / MB
         if estimate > budget:
@@ -383,13 +403,17 @@ def _run_group(
             x_BNC = fresh_input(requires_grad=True)
             module.zero_grad(set_to_none=True)
             module.train()
-            train_peak = peak_bytes(lambda: train_step(module, case.scheme, case.attention, x_BNC), device)
+            train_peak = peak_bytes(lambda x=x_BNC: train_step(module, case.scheme, case.attention, x), device)
             module.zero_grad(set_to_none=True)
             del x_BNC
-            x_BNC = fresh_input(requires_grad=False)
-            module.eval()
-            infer_peak = peak_bytes(lambda: infer_step(module, case.scheme, case.attention, x_BNC), device)
-            del x_BNC
+            infer_peak: int | None = None
+            if not (backend == "flex" and device.type == "cpu"):
+                # CPU flex inference runs the FlexAttention higher-order op through torch.compile, which
+                # the CPU tracker (a dispatch mode) cannot see into: left unmeasured (None).
+                x_BNC = fresh_input(requires_grad=False)
+                module.eval()
+                infer_peak = peak_bytes(lambda x=x_BNC: infer_step(module, case.scheme, case.attention, x), device)
+                del x_BNC
         except RuntimeError as error:
             fail(case, error)
         if case.failed:
@@ -399,7 +423,7 @@ def _run_group(
             time_ms=statistics.median(case.times_ms),
             time_ms_repeats=case.times_ms,
             peak_mem_mb=train_peak / MB,
-            infer_peak_mem_mb=infer_peak / MB,
+            infer_peak_mem_mb=None if infer_peak is None else infer_peak / MB,
         )
     _add_ratios(group)
     for record in group:
@@ -412,7 +436,7 @@ def _progress_line(record: dict[str, Any]) -> str:
     if record["skipped"]:
         return f"{where}  skipped: {record['skipped']}"
     return (f"{where}  {record['time_ms']:9.1f} ms  train {record['peak_mem_mb']:9.1f} MB  "
-            f"infer {record['infer_peak_mem_mb']:9.1f} MB")
+            f"infer {_fmt(record['infer_peak_mem_mb'], 1):>9} MB")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -4,6 +4,12 @@ One step = forward, float32 cross entropy, backward, AdamW step — the same pla
 every model, so the ratios compare the models, not the loops. Models are timed in interleaved
 rounds (A B C D, A B C D, ...) and the median per model is reported, so machine noise hits all of
 them alike. With CUDA, the 350M config is also timed in bf16 for tokens/s, TFLOP/s and MFU.
+
+Compiled vs eager: for every position scheme on the same config, the training step as our trainer runs
+it (``model(inputs, labels=labels)``: the fused chunked loss, backward, AdamW) is timed eagerly and with
+the model compiled in place (``model.compile()``, inductor by default). Compilation and warm-up are
+excluded; the two variants of every scheme are timed in interleaved rounds and medians reported, with
+the compiled/eager tokens/s ratio per scheme (target >= 1.0).
 """
 
 from __future__ import annotations
@@ -22,6 +28,17 @@ from megatron_lite import config as config_lib
 from megatron_lite.config import Config
 from megatron_lite.model import GPT, language_model_loss
 from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
+
+# label -> (scheme, constraint) of every scheme timed compiled vs eager
+COMPILE_SCHEMES: dict[str, tuple[str, str]] = {
+    "none": ("none", "slack"),
+    "learned": ("learned", "slack"),
+    "sinusoidal": ("sinusoidal", "slack"),
+    "alibi": ("alibi", "slack"),
+    "rope": ("rope", "slack"),
+    "coca_slack": ("coca", "slack"),
+    "coca_strict": ("coca", "strict"),
+}
 
 # label -> (our scheme, constraint) or "hf"
 MODELS: dict[str, tuple[str, str] | str] = {
@@ -43,6 +60,10 @@ class TrainBenchSettings:
     seed: int = 1234
     gpu_config_path: str = "configs/coca_350m.yml"
     gpu_batch_size: int = 16
+    # schemes timed compiled vs eager (keys of COMPILE_SCHEMES); empty skips the compiled rows
+    compile_schemes: list[str] = field(default_factory=lambda: list(COMPILE_SCHEMES))
+    compile_backend: str = "inductor"
+    compile_warmup_steps: int = 3  # the first compiles forward and backward; the rest settle
 
 
 @dataclass
@@ -52,6 +73,8 @@ class TrainBenchResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     ratios: dict[str, float] = field(default_factory=dict)
     gpu: dict[str, Any] | None = None
+    compile_records: list[dict[str, Any]] = field(default_factory=list)
+    compile_ratios: dict[str, float] = field(default_factory=dict)
 
 
 def hf_gpt_neox(config: Config) -> torch.nn.Module:
@@ -87,18 +110,59 @@ def _step_fn(model: torch.nn.Module, is_hf: bool, batch: torch.Tensor) -> Callab
     return step
 
 
+def _fused_step_fn(model: torch.nn.Module, batch: torch.Tensor) -> Callable[[], None]:
+    """The trainer's step: GPT.forward(ids, labels=labels) returns the (fused, chunked) loss."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    inputs, labels = batch[:, :-1], batch[:, 1:]  # (B, T)
+
+    def step() -> None:
+        loss = model(inputs, labels=labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _scheme_model(config: Config, scheme: str, constraint: str) -> GPT:
+    torch.manual_seed(config.seed)
+    variant = config_lib.with_overrides(config, [f"model.position.scheme={scheme}",
+                                                 f"model.position.constraint={constraint}"])
+    return GPT(variant.model).train()
+
+
 def _build(label: str, config: Config) -> tuple[torch.nn.Module, bool]:
     spec = MODELS[label]
     torch.manual_seed(config.seed)
     if spec == "hf":
         return hf_gpt_neox(config).train(), True
     scheme, constraint = spec
-    variant = config_lib.with_overrides(config, [f"model.position.scheme={scheme}",
-                                                 f"model.position.constraint={constraint}"])
-    return GPT(variant.model).train(), False
+    return _scheme_model(config, scheme, constraint), False
+
+
+def _interleaved(steps: dict[str, Callable[[], None]], settings: TrainBenchSettings,
+                 progress: Callable[[str], None], prefix: str = "") -> dict[str, list[float]]:
+    """Seconds per step of every entry, timed in interleaved rounds (A B C, A B C, ...)."""
+    times: dict[str, list[float]] = {label: [] for label in steps}
+    for round_index in range(settings.rounds):
+        for label, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(settings.steps_per_round):
+                step()
+            times[label].append((time.perf_counter() - start) / settings.steps_per_round)
+        progress(f"{prefix}round {round_index + 1}/{settings.rounds}: " + ", ".join(
+            f"{label} {times[label][-1] * 1e3:.0f} ms" for label in steps))
+    return times
+
+
+def _check_compile_schemes(settings: TrainBenchSettings) -> None:
+    unknown = [name for name in settings.compile_schemes if name not in COMPILE_SCHEMES]
+    if unknown:
+        raise ValueError(f"compile schemes {unknown}: expected some of {list(COMPILE_SCHEMES)}")
 
 
 def run_cpu_comparison(settings: TrainBenchSettings, progress: Callable[[str], None] = print) -> TrainBenchResult:
+    _check_compile_schemes(settings)  # before the minutes of the first part
     if settings.threads:
         torch.set_num_threads(settings.threads)
     config = config_lib.load(settings.config_path)
@@ -114,15 +178,7 @@ def run_cpu_comparison(settings: TrainBenchSettings, progress: Callable[[str], N
         steps[label] = _step_fn(model, is_hf, batch)
         for _ in range(settings.warmup_steps):
             steps[label]()
-    times: dict[str, list[float]] = {label: [] for label in MODELS}
-    for round_index in range(settings.rounds):
-        for label, step in steps.items():
-            start = time.perf_counter()
-            for _ in range(settings.steps_per_round):
-                step()
-            times[label].append((time.perf_counter() - start) / settings.steps_per_round)
-        progress(f"round {round_index + 1}/{settings.rounds}: " + ", ".join(
-            f"{label} {times[label][-1] * 1e3:.0f} ms" for label in MODELS))
+    times = _interleaved(steps, settings, progress)
     result = TrainBenchResult(
         settings=settings.__dict__.copy(),
         meta={"device": "cpu", "torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -141,7 +197,41 @@ def run_cpu_comparison(settings: TrainBenchSettings, progress: Callable[[str], N
         "coca_slack_vs_rope": speed["ours_coca_slack"] / speed["ours_rope"],
         "coca_strict_vs_rope": speed["ours_coca_strict"] / speed["ours_rope"],
     }
+    if settings.compile_schemes:
+        run_compile_comparison(settings, config, batch, result, progress)
     return result
+
+
+def run_compile_comparison(settings: TrainBenchSettings, config: Config, batch: torch.Tensor,
+                           result: TrainBenchResult, progress: Callable[[str], None] = print) -> None:
+    """Fill result.compile_records / compile_ratios: every scheme's fused-loss step eager and compiled."""
+    _check_compile_schemes(settings)
+    tokens_per_step = batch.shape[0] * (batch.shape[1] - 1)
+    steps: dict[str, Callable[[], None]] = {}
+    compile_seconds: dict[str, float] = {}
+    for name in settings.compile_schemes:
+        scheme, constraint = COMPILE_SCHEMES[name]
+        for mode in ("eager", "compiled"):
+            model = _scheme_model(config, scheme, constraint)
+            if mode == "compiled":
+                model.compile(backend=settings.compile_backend)
+            step = _fused_step_fn(model, batch)
+            start = time.perf_counter()
+            for _ in range(settings.compile_warmup_steps if mode == "compiled" else settings.warmup_steps):
+                step()
+            if mode == "compiled":
+                compile_seconds[name] = time.perf_counter() - start
+                progress(f"compiled {name} ({settings.compile_backend}): {compile_seconds[name]:.1f} s "
+                         "compile + warm-up")
+            steps[f"{name}/{mode}"] = step
+    times = _interleaved(steps, settings, progress, prefix="compile ")
+    for name in settings.compile_schemes:
+        eager, compiled = (statistics.median(times[f"{name}/{mode}"]) for mode in ("eager", "compiled"))
+        result.compile_records.append({
+            "scheme": name, "eager_step_ms": eager * 1e3, "compiled_step_ms": compiled * 1e3,
+            "eager_tokens_per_sec": tokens_per_step / eager, "compiled_tokens_per_sec": tokens_per_step / compiled,
+            "compile_and_warmup_s": compile_seconds[name]})
+        result.compile_ratios[name] = eager / compiled
 
 
 def run_gpu_mfu(settings: TrainBenchSettings, steps: int = 10) -> dict[str, Any]:
@@ -189,6 +279,19 @@ def format_report(result: TrainBenchResult) -> str:
     lines += ["", "| ratio | value | target | |", "|---|---:|---:|---|"]
     lines += [f"| {name} | {value:.3f} | ≥ {targets[name]:.2f} | {'PASS' if value >= targets[name] else 'FAIL'} |"
               for name, value in result.ratios.items()]
+    if result.compile_records:
+        lines += ["", f"Compiled ({result.settings['compile_backend']}, model.compile() in place) vs eager: the "
+                      "trainer's step (fused chunked loss, backward, AdamW); compile and warm-up excluded; median "
+                      f"of {result.settings['rounds']} interleaved rounds.", "",
+                  "| scheme | eager tokens/s | compiled tokens/s | compiled/eager | target | | compile s |",
+                  "|---|---:|---:|---:|---:|---|---:|"]
+        for r in result.compile_records:
+            ratio = result.compile_ratios[r["scheme"]]
+            lines.append(f"| {r['scheme']} | {r['eager_tokens_per_sec']:,.0f} | {r['compiled_tokens_per_sec']:,.0f} | "
+                         f"{ratio:.3f} | ≥ 1.00 | {'PASS' if ratio >= 1.0 else 'FAIL'} | "
+                         f"{r['compile_and_warmup_s']:.1f} |")
+    else:
+        lines += ["", "Compiled vs eager: not measured (--no-compile)."]
     if result.gpu is not None:
         gpu = result.gpu
         mfu = f"{gpu['mfu']:.1%}" if gpu["mfu"] is not None else "n/a (unknown peak)"

@@ -1,0 +1,650 @@
+"""One-GPU acceptance check: environment, backend parity, throughput/MFU, long-context memory, a short real
+training run and host-sync freedom, each a section of rows in OUT/gpu_check.json and OUT/gpu_check.md.
+
+Sections run in order; each one's rows are written (JSON and a regenerated markdown report) as soon as it
+finishes, so a run cut short keeps what it measured, and a re-run skips finished sections (``force`` redoes
+them). ``smoke`` runs every section on tiny dimensions on the CPU in seconds: CUDA-only measurements become
+rows saying so, or a CPU equivalent (dispatcher-counted peak memory for the memory section).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from megatron_lite import config as config_lib
+from megatron_lite.config import Config
+from megatron_lite.files import write_text_atomic
+from megatron_lite.model import GPT
+from megatron_lite.model.attention import check_backend_available
+from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
+
+REPO = Path(__file__).resolve().parents[2]
+SECTIONS = ("env", "parity", "throughput", "memory", "train", "sync")
+# label -> (position.scheme, position.constraint)
+SCHEMES: dict[str, tuple[str, str]] = {
+    "none": ("none", "slack"), "learned": ("learned", "slack"), "sinusoidal": ("sinusoidal", "slack"),
+    "alibi": ("alibi", "slack"), "rope": ("rope", "slack"), "coca_slack": ("coca", "slack"),
+    "coca_strict": ("coca", "strict"),
+}
+COMPILE_ORDER = ("coca_slack", "coca_strict", "rope", "alibi", "none", "learned", "sinusoidal")
+PARITY_BACKENDS = ("sdpa", "flash", "flex", "chunked")
+NO_CUDA_MESSAGE = "no CUDA device: gpu_check measures a GPU (use --smoke to check the tool on CPU)"
+CONFIG_350M = "configs/coca_350m.yml"
+CONFIG_TINY = "configs/tiny/rope.yml"
+JSON_NAME, MD_NAME = "gpu_check.json", "gpu_check.md"
+SMOKE_DIMENSIONS = ("model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
+                    "model.intermediate_size=256", "model.seq_length=32", "model.max_position_embeddings=32",
+                    "model.vocab_size=384")
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class CheckSettings:
+    out: Path
+    sections: list[str] = field(default_factory=lambda: list(SECTIONS))
+    smoke: bool = False
+    force: bool = False
+    max_batch: int = 64  # throughput search limit (micro batch)
+    section_budget_s: float = 480.0  # throughput / sync (compiles): rows past it are skipped, not measured
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu" if self.smoke else "cuda")
+
+
+def parse_sections(text: str | None) -> list[str]:
+    if not text:
+        return list(SECTIONS)
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SECTIONS]
+    if unknown or not names:
+        raise ValueError(f"--only {text}: unknown section(s) {', '.join(unknown) or '(none)'}; "
+                         f"choose from {', '.join(SECTIONS)}")
+    return [name for name in SECTIONS if name in names]
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"[:300]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def scheme_overrides(label: str) -> list[str]:
+    scheme, constraint = SCHEMES[label]
+    return [f"model.position.scheme={scheme}", f"model.position.constraint={constraint}"]
+
+
+def big_config(settings: CheckSettings, label: str, backend: str = "sdpa", precision: str = "bf16",
+               extra: tuple[str, ...] = ()) -> Config:
+    """The 350M config (tiny one under --smoke) with this scheme, backend and precision."""
+    overrides = [*scheme_overrides(label), f"model.attention.backend={backend}", f"precision={precision}", *extra]
+    if settings.smoke:  # tiny_config-like dimensions: every section in seconds on two CPU cores
+        return config_lib.load(REPO / CONFIG_TINY, [*SMOKE_DIMENSIONS, *overrides])
+    return config_lib.load(REPO / CONFIG_350M, overrides)
+
+
+# ----------------------------------------------------------------------------------------------
+# env
+
+def section_env(settings: CheckSettings, progress: Progress) -> list[dict[str, Any]]:
+    from megatron_lite.model.flex import flex_available
+
+    rows: list[dict[str, Any]] = []
+    cuda = torch.cuda.is_available()
+    rows.append({"item": "device", "value": torch.cuda.get_device_name() if cuda else "cpu (no CUDA)"})
+    rows.append({"item": "torch", "value": torch.__version__})
+    rows.append({"item": "CUDA", "value": torch.version.cuda or "none"})
+    rows.append({"item": "cuDNN", "value": str(torch.backends.cudnn.version()) if cuda else "none"})
+    try:
+        flash = importlib.metadata.version("flash-attn")
+    except importlib.metadata.PackageNotFoundError:
+        flash = "missing"
+    rows.append({"item": "flash-attn", "value": flash})
+    rows.append({"item": "FlexAttention", "value": "available" if flex_available() else "unavailable"})
+    rows.append({"item": "bf16", "value": str(torch.cuda.is_bf16_supported()) if cuda else "cpu: supported"})
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        rows.append({"item": "GPU memory", "value": f"{total / 2**30:.1f} GiB total, {free / 2**30:.1f} GiB free"})
+        name = torch.cuda.get_device_name()
+        peak = next((value for key, value in KNOWN_PEAK_TFLOPS.items() if key in name), None)
+        rows.append({"item": "peak bf16 TFLOP/s", "value": str(peak) if peak else "unknown"})
+    else:
+        rows.append({"item": "GPU memory", "value": "skipped: no CUDA"})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# parity
+
+def parity_config(smoke: bool, label: str, backend: str, precision: str) -> Config:
+    scheme, constraint = SCHEMES[label]
+    hidden, heads, seq = (64, 4, 32) if smoke else (512, 8, 512)
+    model = {"num_layers": 2, "hidden_size": hidden, "num_attention_heads": heads, "seq_length": seq,
+             "max_position_embeddings": seq, "vocab_size": 250 if smoke else 1000, "make_vocab_size_divisible_by": 128,
+             "position": {"scheme": scheme, "constraint": constraint, "rotary_pct": 1.0},
+             "attention": {"backend": backend, "chunk_size": seq // 4}}
+    return config_lib.from_dict({"model": model, "seed": 7, "precision": precision})
+
+
+def section_parity(settings: CheckSettings, progress: Progress) -> list[dict[str, Any]]:
+    device = settings.device
+    rows = []
+    for label in SCHEMES:
+        reference_config = parity_config(settings.smoke, label, "reference", "fp32")
+        torch.manual_seed(reference_config.seed)
+        with device:
+            reference = GPT(reference_config.model).eval()
+        seq = reference_config.model.seq_length
+        ids = torch.randint(0, reference_config.model.vocab_size, (2, seq), device=device,
+                            generator=torch.Generator(device).manual_seed(0))
+        with torch.no_grad():
+            expected = reference(ids).float()
+        for backend in PARITY_BACKENDS:
+            row: dict[str, Any] = {"scheme": label, "backend": backend}
+            try:
+                config = parity_config(settings.smoke, label, backend, "bf16")
+                check_backend_available(backend)
+                with device:
+                    model = GPT(config.model)
+                model.load_state_dict(reference.state_dict())
+                model = model.to(torch.bfloat16).eval()
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+                    logits = model(ids).float()
+                error = (logits - expected).abs().max().item()
+                row.update(status="ok", max_abs_error=error, rel_error=error / expected.abs().max().item())
+                del model
+            except ValueError as unavailable:
+                row.update(status=f"unavailable: {unavailable}")
+            except Exception as failure:  # noqa: BLE001 - a failing backend is a row, not a crash
+                row.update(status=f"failed: {_error_text(failure)}")
+            rows.append(row)
+            progress(f"  parity {label} {backend}: {_row_summary(row)}")
+        del reference
+        _free(device)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# throughput
+
+def hf_twin(config: Config) -> torch.nn.Module:
+    from megatron_lite.bench.train_bench import hf_gpt_neox
+
+    return hf_gpt_neox(config)
+
+
+def _train_step(model: torch.nn.Module, is_hf: bool, batch: torch.Tensor) -> Callable[[], None]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+
+    def step() -> None:
+        if is_hf:
+            logits = model(inputs).logits
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        else:
+            loss = model(inputs, labels=labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
+def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def _build_for_throughput(config: Config, is_hf: bool, device: torch.device, compiled: bool) -> torch.nn.Module:
+    torch.manual_seed(config.seed)
+    with device:
+        model = hf_twin(config) if is_hf else GPT(config.model)
+    model = model.to(dtype=torch.bfloat16 if config.precision == "bf16" else torch.float32).train()
+    if compiled:
+        model.compile()
+    return model
+
+
+def _measure(config: Config, is_hf: bool, device: torch.device, compiled: bool, batch_size: int, warmup: int,
+             steps: int) -> float:
+    model = _build_for_throughput(config, is_hf, device, compiled)
+    batch = torch.randint(0, config.model.vocab_size, (batch_size, config.model.seq_length + 1), device=device)
+    try:
+        return _time_steps(_train_step(model, is_hf, batch), device, warmup, steps)
+    finally:
+        del model, batch
+        _free(device)
+
+
+def largest_batch(config: Config, is_hf: bool, device: torch.device, limit: int,
+                  fits: Callable[[int], bool] | None = None) -> int:
+    """Double the micro batch from 1 until a step runs out of memory or reaches ``limit``; the last that fit
+    (0 if none did)."""
+    def default_fits(batch_size: int) -> bool:
+        out_of_memory = False
+        try:
+            _measure(config, is_hf, device, False, batch_size, warmup=1, steps=1)
+        except RuntimeError as error:
+            if not _is_oom(error):
+                raise
+            out_of_memory = True
+        _free(device)  # outside the except block: the traceback no longer pins the failed step's tensors
+        return not out_of_memory
+
+    fits = fits or default_fits
+    best, batch_size = 0, 1
+    while batch_size <= limit and fits(batch_size):
+        best, batch_size = batch_size, batch_size * 2
+    return best
+
+
+def section_throughput(settings: CheckSettings, progress: Progress) -> list[dict[str, Any]]:
+    device = settings.device
+    smoke = settings.smoke
+    precision = "fp32" if smoke else "bf16"
+    warmup, steps = (1, 2) if smoke else (3, 8)
+    peak = None
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name()
+        peak = next((value for key, value in KNOWN_PEAK_TFLOPS.items() if key in name), None)
+    rows = []
+    runs: list[tuple[str, bool]] = [(label, False) for label in SCHEMES] + [("hf_gpt_neox", False)]
+    # compiled runs last, the paper's schemes first: they are the ones a section budget may cut
+    runs += [(label, True) for label in COMPILE_ORDER]
+    batches: dict[str, int] = {}
+    start = time.perf_counter()
+
+    def over_budget(since: float) -> bool:
+        return not smoke and time.perf_counter() - since > settings.section_budget_s
+
+    for label, compiled in runs:
+        is_hf = label == "hf_gpt_neox"
+        config = big_config(settings, "rope" if is_hf else label, precision=precision)
+        mode = "compiled" if compiled else "eager"
+        row: dict[str, Any] = {"model": "hf_gpt_neox (rope)" if is_hf else label, "mode": mode}
+        try:
+            if over_budget(start):
+                row["status"] = f"skipped: the section passed its {settings.section_budget_s:.0f} s budget"
+                rows.append(row)
+                progress(f"  throughput {row['model']} {mode}: {row['status']}")
+                continue
+            if compiled and smoke:
+                row["status"] = "skipped: --smoke (compile is timed on the GPU)"
+                rows.append(row)
+                continue
+            if smoke:
+                batch_size = 2
+            elif is_hf:
+                batch_size = batches.get("rope", 1)  # the same batch as ours
+            elif label in batches:
+                batch_size = batches[label]  # compiled: the batch eager found (compiled needs no more memory)
+            else:
+                batch_size = largest_batch(config, False, device, settings.max_batch)
+                if batch_size == 0:
+                    raise RuntimeError("out of memory at micro batch 1")
+            batches.setdefault(label, batch_size)
+            seconds = None
+            while seconds is None:
+                try:
+                    seconds = _measure(config, is_hf, device, compiled, batch_size, warmup, steps)
+                except RuntimeError as error:
+                    if not _is_oom(error) or batch_size == 1:
+                        raise
+                    seconds = None
+                if seconds is None:  # e.g. the HF twin at our batch: halve until it fits
+                    _free(device)
+                    batch_size //= 2
+            tokens = batch_size * config.model.seq_length
+            tflops = model_flops_per_token(config.model) * tokens / seconds / 1e12
+            row.update(status="ok", micro_batch=batch_size, step_ms=seconds * 1e3, tokens_per_sec=tokens / seconds,
+                       tflops=tflops, mfu=tflops / peak if peak else None)
+        except Exception as failure:  # noqa: BLE001
+            row["status"] = f"failed: {_error_text(failure)}"
+            _free(device)
+        rows.append(row)
+        progress(f"  throughput {row['model']} {mode}: {_row_summary(row)}")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# memory
+
+def long_context_backends(label: str, flash: bool, flex: bool) -> list[str]:
+    """The scheme's long-context backend first, then flex as an extra row where available."""
+    if label == "alibi":
+        backends = ["flash" if flash else "chunked"]
+    else:
+        backends = ["sdpa"]
+    if flex:
+        backends.append("flex")
+    return backends
+
+
+def section_memory(settings: CheckSettings, progress: Progress) -> list[dict[str, Any]]:
+    from megatron_lite.bench.memory import track_peak_memory
+    from megatron_lite.model.attention import flash_available
+    from megatron_lite.model.flex import flex_available
+
+    device = settings.device
+    length, tail = (1024, 64) if settings.smoke else (32768, 512)
+    rows = []
+    for label in SCHEMES:
+        for backend in long_context_backends(label, flash_available(), flex_available()):
+            row: dict[str, Any] = {"scheme": label, "backend": backend, "tokens": length}
+            if settings.smoke and backend == "flex":
+                row["status"] = "skipped: track_peak_memory (CPU) cannot follow FlexAttention's operator"
+                rows.append(row)
+                continue
+            # learned positions stop at max_position_embeddings: a table as long as the window
+            extra = (f"model.max_position_embeddings={length}",) if label == "learned" else ()
+            try:
+                config = big_config(settings, label, backend, precision="fp32" if settings.smoke else "bf16",
+                                    extra=extra)
+                if extra:
+                    row["note"] = f"max_position_embeddings={length}"
+                torch.manual_seed(config.seed)
+                with device:
+                    model = GPT(config.model).eval()
+                if not settings.smoke:
+                    model = model.to(torch.bfloat16)
+                ids = torch.randint(0, config.model.vocab_size, (1, length), device=device)
+                if device.type == "cuda":
+                    _free(device)
+                    torch.cuda.reset_peak_memory_stats()
+                    before = torch.cuda.memory_allocated()
+                    with torch.no_grad():
+                        model(ids, logits_from=length - tail)
+                    torch.cuda.synchronize()
+                    row.update(status="ok", peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                               above_weights_gib=(torch.cuda.max_memory_allocated() - before) / 2**30,
+                               measured="torch.cuda.max_memory_allocated")
+                else:
+                    with torch.no_grad(), track_peak_memory() as tracker:
+                        model(ids, logits_from=length - tail)
+                    row.update(status="ok", peak_gib=tracker.peak_bytes / 2**30, above_weights_gib=tracker.peak_bytes / 2**30,
+                               measured="track_peak_memory (CPU)")
+                del model
+            except Exception as failure:  # noqa: BLE001
+                row["status"] = f"failed: {_error_text(failure)}"
+            _free(device)
+            rows.append(row)
+            progress(f"  memory {label} {backend}: {_row_summary(row)}")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# train
+
+WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches near "
+         "old stone bridges and rivers flow past green fields under blue skies").split()
+
+
+def make_corpus(root: Path, documents: int) -> Path:
+    """A 75/25 mix of seeded pseudo-prose (jsonl) and Python-like files (txt dir); returns the mix file."""
+    rng = random.Random(0)
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / "prose.jsonl").open("w") as handle:
+        for _ in range(documents):
+            sentences = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(6, 14))).capitalize() + "."
+                         for _ in range(rng.randint(8, 20))]
+            handle.write(json.dumps({"text": " ".join(sentences)}) + "\n")
+    code = root / "code"
+    code.mkdir(exist_ok=True)
+    for index in range(max(documents // 2, 1)):
+        lines = [f"def function_{index}_{j}(x, y):\n    total = x + {j} * y\n    return total\n"
+                 for j in range(rng.randint(4, 12))]
+        (code / f"module_{index:04d}.txt").write_text("\n".join(lines))
+    mix = {"groups": {
+        "text": {"weight": 0.75, "sources": {"prose": {"type": "jsonl", "path": str(root / "prose.jsonl")}}},
+        "code": {"weight": 0.25, "sources": {"code": {"type": "text", "path": str(code)}}},
+    }}
+    path = root / "mix.yml"
+    path.write_text(yaml.safe_dump(mix))
+    return path
+
+
+def train_arguments(settings: CheckSettings, mix: Path, cache: Path, run_dir: Path) -> list[str]:
+    if settings.smoke:
+        config, iters, micro = CONFIG_TINY, 3, 2
+        extra = ["model.vocab_size=384", "model.seq_length=32", "model.max_position_embeddings=32",
+                 "model.num_layers=2", "model.hidden_size=64", "model.intermediate_size=256", "precision=fp32"]
+    else:
+        # ~60 s on one H100; the made-up corpus trains a tokenizer of a few hundred pieces, so the vocabulary
+        # is 512 (model.vocab_size must not exceed what the tokenizer can learn)
+        config, iters, micro = CONFIG_350M, 300, 8
+        extra = ["precision=bf16", "model.vocab_size=512"]
+    sets = [f"data.mix={mix}", f"data.cache_dir={cache}", "data.num_workers=1", "data.validation_fraction=0.05",
+            "data.tokenizer.sample_chars=200000", "train.train_epochs=1", f"train.train_iters={iters}",
+            "train.train_batch_size=null", f"train.train_micro_batch_size_per_gpu={micro}",
+            "train.gradient_accumulation_steps=1", "train.zero_stage=0", "train.log_interval=1",
+            "train.eval_interval=0", "train.save_interval=0", "train.num_workers=0", "train.wandb.mode=disabled",
+            "train.warmup=0.01", "train.lr=3.0e-4" if not settings.smoke else "train.lr=3.0e-3", *extra]
+    arguments = [sys.executable, str(REPO / "train.py"), "--config", str(REPO / config), "--run-dir", str(run_dir),
+                 "--resume", "none"]
+    for assignment in sets:
+        arguments += ["--set", assignment]
+    return arguments
+
+
+def section_train(settings: CheckSettings, progress: Progress) -> list[dict[str, Any]]:
+    work = settings.out / "train_run"
+    run_dir = work / "run"
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    mix = make_corpus(work / "corpus", 240 if settings.smoke else 12000)
+    arguments = train_arguments(settings, mix, work / "cache", run_dir)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
+    if settings.smoke:
+        env["OMP_NUM_THREADS"] = "1"
+    start = time.perf_counter()
+    result = subprocess.run(arguments, cwd=REPO, env=env, text=True, capture_output=True, timeout=900)
+    seconds = time.perf_counter() - start
+    row: dict[str, Any] = {"config": CONFIG_TINY if settings.smoke else CONFIG_350M, "exit_code": result.returncode,
+                           "wall_seconds": seconds}
+    metrics_path = run_dir / "metrics.jsonl"
+    if result.returncode != 0 or not metrics_path.is_file():
+        tail = (result.stderr.strip() or result.stdout.strip()).splitlines()[-1:] or ["no output"]
+        row["status"] = f"failed: train.py exited {result.returncode}: {tail[0][:300]}"
+        return [row]
+    metrics = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    losses = [(m["step"], m["loss"]) for m in metrics if m.get("loss") is not None and "step" in m]
+    speeds = [m["tokens_per_sec"] for m in metrics if m.get("tokens_per_sec") is not None]
+    if not losses:
+        row["status"] = "failed: no loss rows in metrics.jsonl"
+        return [row]
+    first, last = losses[0][1], losses[-1][1]
+    steady = speeds[1:] or speeds
+    row.update(steps=losses[-1][0], loss_first=first, loss_last=last, loss_falls=last < first,
+               tokens_per_sec=sum(steady) / len(steady) if steady else None,
+               status="ok" if last < first else "failing: loss did not fall")
+    return [row]
+
+
+# ----------------------------------------------------------------------------------------------
+# sync
+
+def section_sync(settings: CheckSettings, progress: Progress) -> list[dict[str, Any]]:
+    if settings.device.type != "cuda":
+        rows = [{"scheme": label, "mode": mode, "status": "skipped: no CUDA"}
+                for mode in ("eager", "compiled") for label in SCHEMES]
+        progress("  sync: skipped: no CUDA")
+        return rows
+    device = settings.device
+    rows = []
+    start = time.perf_counter()
+    for compiled in (False, True):
+        for label in COMPILE_ORDER if compiled else SCHEMES:
+            mode = "compiled" if compiled else "eager"
+            row: dict[str, Any] = {"scheme": label, "mode": mode}
+            if time.perf_counter() - start > settings.section_budget_s:
+                row["status"] = f"skipped: the section passed its {settings.section_budget_s:.0f} s budget"
+                rows.append(row)
+                progress(f"  sync {label} {mode}: {row['status']}")
+                continue
+            try:
+                config = big_config(settings, label)
+                model = _build_for_throughput(config, False, device, compiled)
+                batch = torch.randint(0, config.model.vocab_size, (2, config.model.seq_length + 1), device=device)
+                inputs, labels = batch[:, :-1], batch[:, 1:]
+                model(inputs, labels=labels).backward()  # warm-up (compiles) outside the debug mode
+                torch.cuda.synchronize()
+                model.zero_grad(set_to_none=True)
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    model(inputs, labels=labels).backward()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.synchronize()
+                row["status"] = "ok"
+                del model
+            except Exception as failure:  # noqa: BLE001
+                row["status"] = f"failing: {_error_text(failure)}"
+            _free(device)
+            rows.append(row)
+            progress(f"  sync {label} {mode}: {row['status']}")
+    return rows
+
+
+SECTION_FUNCTIONS: dict[str, Callable[[CheckSettings, Progress], list[dict[str, Any]]]] = {
+    "env": section_env, "parity": section_parity, "throughput": section_throughput, "memory": section_memory,
+    "train": section_train, "sync": section_sync,
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+
+def _row_summary(row: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={_cell(value)}" for key, value in row.items() if key not in ("scheme", "backend", "model"))
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 1e-2 or abs(value) >= 1e5):
+            return f"{value:.3g}"
+        return f"{value:,.3f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def header(smoke: bool) -> list[str]:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() and not smoke else "cpu"
+    mode = " (--smoke: tiny config on CPU)" if smoke else ""
+    return [f"# GPU check{mode}", "",
+            f"Device: {device}; date {_now()}; torch {torch.__version__}; CUDA {torch.version.cuda or 'none'}.", ""]
+
+
+def render_markdown(results: dict[str, Any], smoke: bool) -> str:
+    lines = header(smoke)
+    for name in SECTIONS:
+        if name not in results:
+            continue
+        section = results[name]
+        rows = section["rows"]
+        lines += [f"## {name}", "", f"{section['seconds']:.1f} s, finished {section['finished']}.", ""]
+        columns: list[str] = []
+        for row in rows:
+            columns += [key for key in row if key not in columns]
+        if rows:
+            lines.append("| " + " | ".join(columns) + " |")
+            lines.append("|" + "---|" * len(columns))
+            lines += ["| " + " | ".join(_cell(row.get(key)) for key in columns) + " |" for row in rows]
+        else:
+            lines.append("(no rows)")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def load_results(out: Path) -> dict[str, Any]:
+    path = out / JSON_NAME
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error}); remove it or pass --force") from error
+    return data if isinstance(data, dict) else {}
+
+
+def write_results(out: Path, results: dict[str, Any], smoke: bool) -> None:
+    write_text_atomic(out / JSON_NAME, json.dumps(results, indent=2) + "\n")
+    write_text_atomic(out / MD_NAME, render_markdown(results, smoke))
+
+
+def run_check(settings: CheckSettings, progress: Progress = print) -> dict[str, Any]:
+    """Run the chosen sections (skipping finished ones unless ``force``); returns the whole results dict."""
+    if not settings.smoke and not torch.cuda.is_available():
+        raise ValueError(NO_CUDA_MESSAGE)
+    settings.out.mkdir(parents=True, exist_ok=True)
+    results = {} if settings.force and set(settings.sections) == set(SECTIONS) else load_results(settings.out)
+    for name in settings.sections:
+        if name in results and not settings.force:
+            progress(f"{name}: already finished at {results[name].get('finished')}, skipped (--force redoes it)")
+            continue
+        progress(f"{name}: start")
+        start = time.perf_counter()
+        threads = torch.get_num_threads()
+        if settings.smoke:  # tiny models: one thread is fastest, and much faster on a shared, busy CPU
+            torch.set_num_threads(1)
+        try:
+            rows = SECTION_FUNCTIONS[name](settings, progress)
+        finally:
+            torch.set_num_threads(threads)
+        seconds = time.perf_counter() - start
+        results[name] = {"rows": rows, "seconds": seconds, "finished": _now()}
+        write_results(settings.out, results, settings.smoke)
+        if name in ("env", "train"):
+            for row in rows:
+                progress(f"  {name}: {_row_summary(row) if name == 'train' else row['item'] + ' = ' + row['value']}")
+        progress(f"{name}: finished in {seconds:.1f} s")
+    if not (settings.out / MD_NAME).is_file() or not settings.sections:
+        write_results(settings.out, results, settings.smoke)
+    return results
