@@ -190,9 +190,16 @@ class Verification:
     has_manifest: bool = True
     files_checked: int = 0
 
+    unsafe: bool = False  # a problem is a refused pickle (UnsafeCheckpointError), not damage
+
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def summary(self) -> str:
+        """The first problem, and how many more there are."""
+        more = len(self.problems) - 1
+        return self.problems[0] + (f" (and {more} more problem(s))" if more > 0 else "")
 
 
 def _check_file(step_dir: Path, record: FileRecord) -> str | None:
@@ -239,6 +246,7 @@ def verify_checkpoint(step_dir: Path, rank: int = 0, world_size: int = 1) -> Ver
             safe_load(path, mmap=True)
         except (UnsafeCheckpointError, CheckpointIntegrityError) as error:
             result.problems.append(str(error))
+            result.unsafe = result.unsafe or isinstance(error, UnsafeCheckpointError)
     return result
 
 
@@ -247,8 +255,6 @@ def verify_or_raise(step_dir: Path) -> Verification:
     with the first problem, and how many more there are."""
     result = verify_checkpoint(step_dir)
     if result.problems:
-        more = f" (and {len(result.problems) - 1} more problem(s))" if len(result.problems) > 1 else ""
-        kind = UnsafeCheckpointError if "refused to unpickle" in result.problems[0] else CheckpointIntegrityError
-        raise kind(result.problems[0] + more)
+        raise (UnsafeCheckpointError if result.unsafe else CheckpointIntegrityError)(result.summary())
     return result
 

@@ -167,12 +167,7 @@ def _verify_everywhere(step_dir: Path, dist_info: DistributedInfo) -> Verificati
     mine = verify_checkpoint(step_dir, dist_info.rank, dist_info.world_size)
     everyone = all_gather_objects(mine)
     return Verification([problem for result in everyone for problem in result.problems], mine.has_manifest,
-                        sum(result.files_checked for result in everyone))
-
-
-def _describe_problems(result: Verification) -> str:
-    more = len(result.problems) - 1
-    return result.problems[0] + (f" (and {more} more problem(s))" if more else "")
+                        sum(result.files_checked for result in everyone), any(result.unsafe for result in everyone))
 
 
 def find_resume_checkpoint(resume: str, run_dir: Path, dist_info: DistributedInfo) -> Path | None:
@@ -193,7 +188,7 @@ def find_resume_checkpoint(resume: str, run_dir: Path, dist_info: DistributedInf
                 _note_unverified(step_dir, result, dist_info)
                 return step_dir
             if dist_info.is_main:
-                notice(f"--resume auto: skipping {step_dir}: {_describe_problems(result)}; trying the previous "
+                notice(f"--resume auto: skipping {step_dir}: {result.summary()}; trying the previous "
                        "complete checkpoint")
         raise ValueError(f"--resume auto: none of the {len(candidates)} complete checkpoint(s) in {checkpoints} passes "
                          "verification (see the warnings above); restore or remove them, or start over with "
@@ -204,7 +199,7 @@ def find_resume_checkpoint(resume: str, run_dir: Path, dist_info: DistributedInf
                          f"(no {checkpoint_dirs.COMPLETE_MARKER})")
     result = _verify_everywhere(step_dir, dist_info)
     if not result.ok:
-        raise ValueError(f"--resume {resume}: {step_dir} fails verification: {_describe_problems(result)}")
+        raise ValueError(f"--resume {resume}: {step_dir} fails verification: {result.summary()}")
     _note_unverified(step_dir, result, dist_info)
     return step_dir
 
