@@ -34,8 +34,8 @@ def bad_arguments(script: str, tmp_path: Path) -> tuple[list[str], str]:
                                         "--passkey-lengths", "64"], missing),
         "tools/generate.py": ([missing], missing),
         "tools/gpu_check.py": (["--only", "nonsense", "--out", missing], "nonsense"),
-        "tools/reproduce_tiny.py": (["--books", missing, "--eval-books", missing, "--out", str(tmp_path / "out")],
-                                    missing),
+        "tools/fetch_wheels.py": (["--out", str(tmp_path / "wheels"), "--constraints", missing], missing),
+        "tools/reproduce.py": (["--books", missing, "--eval-books", missing, "--out", str(tmp_path / "out")], missing),
     }.get(script, ([*CONFIG, *BAD_KEY], "unknown config key train.no_such_key"))
 
 

@@ -4,9 +4,13 @@ heatmaps) from ``results.json`` rows."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from megatron_lite.console import notice
 
 NUM_DEPTH_BINS = 10
 LINE_STYLES = ["-", "--", ":", "-.", (0, (5, 1)), (0, (3, 1, 1, 1))]
@@ -92,6 +96,18 @@ def tables_markdown(results: dict[str, Any]) -> str:
 
 # ----------------------------------------------------------------------------------------------
 # Plots
+
+
+@functools.cache
+def plots_available() -> bool:
+    """matplotlib importable; else one notice per process (a bare GPU node has none: the tables and
+    results.json hold every number, the plots are skipped)."""
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:
+        notice("matplotlib is not installed: no plots (the tables and results.json hold every number)")
+        return False
+    return True
 
 
 def _pyplot() -> Any:
@@ -185,6 +201,8 @@ def write_reports(results: dict[str, Any], passkey_cases: Sequence[dict[str, Any
     """tables.md and the PNGs for whatever results exist; returns the paths written."""
     written = [out_dir / "tables.md"]
     written[0].write_text(tables_markdown(results))
+    if not plots_available():
+        return written
     if results["perplexity"]:
         written.append(out_dir / "perplexity_vs_window.png")
         plot_perplexity(results, written[-1])

@@ -1,8 +1,10 @@
-"""Tiny-scale reproduction of the CoCA paper on CPU (issue 8; docs/reproduction.md).
+"""Reproduction of the CoCA paper's from-scratch comparison (docs/reproduction.md): profile cpu-tiny
+(issue 8) and the one-GPU speedrun gpu-speedrun (issue 19).
 
-``pipeline.run_reproduction`` trains the four models of configs/tiny/repro_*.yml (``training``) and
-evaluates them; ``settings`` holds the settings, configs and mix file; ``report`` writes the
-paper-layout tables and plots. ``tools/reproduce_tiny.py`` is the CLI.
+``pipeline.run_reproduction`` trains the four models of configs/{tiny,speedrun}/repro_*.yml
+(``training``) and evaluates them; ``settings`` holds the settings, configs and mix file; ``speedrun``
+the speedrun's bundle mix, probe and step count; ``bundle`` builds and unpacks its data bundle;
+``report`` writes the paper-layout tables and plots. ``tools/reproduce.py`` is the CLI.
 """
 
 from megatron_lite.repro.pipeline import run_reproduction

@@ -1,10 +1,13 @@
 """Train ALiBi / RoPE / CoCA slack / CoCA strict models that differ only in the position scheme,
-then measure their long-context extrapolation (the CoCA paper's Tables 1-3 at tiny scale).
+then measure their long-context extrapolation (the CoCA paper's Tables 1-3; profiles cpu-tiny and
+gpu-speedrun).
 
 Phases, each timed (``OUT/wall_times.json`` keeps every invocation, so a resumed run adds up):
 
 1. ``data``: write ``OUT/data/mix.yml`` (75% Gutenberg books with their headers stripped / 25%
-   Python stdlib sources, by tokens) and build the tokenizer and shards in ``OUT/data/cache``.
+   Python sources, by tokens) and build the tokenizer and shards in ``OUT/data/cache``; the speedrun
+   unpacks and verifies its data bundle and reads the bundle's shards in place instead.
+   ``probe`` (speedrun): a few steps of every scheme set the one step count (megatron_lite.repro.speedrun).
 2. ``train <scheme>``: ``python train.py --config configs/tiny/repro_<scheme>.yml --run-dir
    OUT/runs/<scheme> --resume auto``, logged to ``OUT/logs/train_<scheme>.log``. A model whose
    latest complete checkpoint is at ``train_iters`` is skipped; an interrupted one resumes.
@@ -29,6 +32,7 @@ import torch
 from megatron_lite.files import write_text_atomic
 from megatron_lite.repro.settings import (ReproSettings, absolute, load_scheme_configs, log, planned_train_iters,
                                           run_dir, validate_settings, write_mix)
+from megatron_lite.repro import speedrun
 from megatron_lite.repro.training import train_scheme
 
 
@@ -43,7 +47,8 @@ def _evaluate(settings: ReproSettings, scheme: str, kind: str, stride: int) -> d
     out_dir = settings.out_dir / "eval" / scheme / kind
     base = LongContextSettings(checkpoints=[f"{scheme}={run_dir(settings, scheme)}"], out_dir=out_dir,
                                scalings=parse_scaling_list(",".join(scaling_names(settings))), seed=settings.seed,
-                               batch_size=settings.batch_size, progress=settings.progress)
+                               batch_size=settings.batch_size, device=settings.eval_device,
+                               dtype=settings.eval_dtype, progress=settings.progress)
     if kind == "perplexity":
         eval_settings = replace(base, ppl_docs=str(settings.eval_books), windows=list(settings.windows), stride=stride,
                                 max_doc_tokens=settings.max_doc_tokens, max_docs=settings.max_docs,
@@ -100,41 +105,84 @@ class PhaseClock:
 # The whole reproduction
 
 
+def _prepare_profile(settings: ReproSettings) -> ReproSettings:
+    """The speedrun: its bundle unpacked and verified, the bundle's tokenizer, vocabulary and held-out books,
+    evaluation on CUDA in bf16 where there is one (not in a dry run)."""
+    if settings.profile != "gpu-speedrun":
+        return settings
+    bundle = speedrun.unpack(settings)
+    on_cuda = torch.cuda.is_available() and not settings.dry_run
+    return replace(settings, eval_books=bundle.eval_books, profile_overrides=speedrun.profile_overrides(settings, bundle),
+                   eval_device="cuda" if on_cuda else "cpu", eval_dtype="bf16" if on_cuda else "fp32")
+
+
+def _require(settings: ReproSettings, phase: str, done: bool, what: str) -> None:
+    if not done:
+        raise ValueError(f"--only {','.join(settings.phases)}: the {phase} phase has not run yet ({what}); include it")
+
+
 def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
-    """Data, training, evaluation and report; returns what OUT/results.json holds."""
+    """Data, (probe,) training, evaluation and report; returns what OUT/results.json holds. With
+    ``settings.phases`` a subset, only those run (the earlier ones must be done: a split run)."""
     from megatron_lite.repro import report
+    from megatron_lite.repro.training import training_status
 
     settings = absolute(settings)
     validate_settings(settings)
+    clock = PhaseClock(settings.out_dir / "wall_times.json", settings)
+    with clock.phase("data") if "data" in settings.phases else _no_phase():
+        settings = _prepare_profile(settings)
     configs = load_scheme_configs(settings)
     first = configs[settings.schemes[0]]
     train_length = first.model.seq_length
     stride = settings.stride or train_length
     if stride > min(settings.windows):
         raise ValueError(f"--stride {stride}: longer than the smallest --windows {min(settings.windows)}")
-    train_iters = planned_train_iters(settings, first, settings.schemes[0])
+    if "data" in settings.phases:
+        with clock.phase("data"):
+            from megatron_lite.data.preprocess import prepare_data
+
+            write_mix(settings)
+            prepare_data(first.data, first.model.vocab_size, progress=settings.progress)
+    if settings.profile == "gpu-speedrun":
+        _require(settings, "data", (settings.out_dir / "data" / "mix.yml").is_file(), "no OUT/data/mix.yml")
+        with clock.phase("probe") if "probe" in settings.phases else _no_phase():
+            train_iters = speedrun.planned_iters(settings, configs)
+        extra_env = speedrun.environment(settings)
+    else:
+        train_iters = planned_train_iters(settings, first, settings.schemes[0])
+        extra_env = {}
     for config in configs.values():
         config.train.train_iters = train_iters
-    clock = PhaseClock(settings.out_dir / "wall_times.json", settings)
     log(settings, f"schemes {', '.join(settings.schemes)}; {train_iters} steps each; out {settings.out_dir}")
 
-    with clock.phase("data"):
-        from megatron_lite.data.preprocess import prepare_data
-
-        write_mix(settings)
-        prepare_data(first.data, first.model.vocab_size, progress=settings.progress)
     training: dict[str, dict[str, Any]] = {}
     for scheme in settings.schemes:
-        with clock.phase(f"train {scheme}"):
-            training[scheme] = train_scheme(settings, scheme, configs[scheme], train_iters)
+        if "train" in settings.phases:
+            with clock.phase(f"train {scheme}"):
+                training[scheme] = train_scheme(settings, scheme, configs[scheme], train_iters, extra_env)
+        else:
+            from megatron_lite.repro.training import training_summary
+
+            status = training_status(run_dir(settings, scheme), train_iters)
+            if {"eval", "report"} & set(settings.phases):
+                _require(settings, "train", status.finished, f"{scheme} is at step {status.step} of {train_iters}")
+            training[scheme] = training_summary(run_dir(settings, scheme), configs[scheme], "skipped (--only)")
+    if not {"eval", "report"} & set(settings.phases):
+        log(settings, f"stopping after {', '.join(settings.phases)} (--only)")
+        return {"training": training, "train_iters": train_iters}
 
     evaluations: dict[str, dict[str, Any]] = {}
     for scheme in settings.schemes:
-        with clock.phase(f"perplexity {scheme}"):
+        # the evaluation caches every cell, so a report-only call re-reads results without recomputing
+        with clock.phase(f"perplexity {scheme}") if "eval" in settings.phases else _no_phase():
             evaluations[f"{scheme} perplexity"] = _evaluate(settings, scheme, "perplexity", stride)
         if settings.passkey_lengths:
-            with clock.phase(f"passkey {scheme}"):
+            with clock.phase(f"passkey {scheme}") if "eval" in settings.phases else _no_phase():
                 evaluations[f"{scheme} passkey"] = _evaluate(settings, scheme, "passkey", stride)
+    if "report" not in settings.phases:
+        log(settings, f"stopping after {', '.join(settings.phases)} (--only); evaluation results are cached")
+        return {"training": training, "train_iters": train_iters}
 
     with clock.phase("report"):
         results = report.assemble_results(evaluations, training, train_length, train_iters, stride,
@@ -143,6 +191,8 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
         plots = report.write_plots(results, [case for evaluation in evaluations.values()
                                              for case in evaluation["passkey_cases"]], settings.out_dir)
     results["plots"] = [path.name for path in plots]
+    if settings.profile == "gpu-speedrun" and speedrun.probe_path(settings).is_file():
+        results["probe"] = json.loads(speedrun.probe_path(settings).read_text())
     results["wall_seconds"] = dict(clock.current)
     results["wall_seconds_all_invocations"] = clock.all_invocations()
     (settings.out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
@@ -152,3 +202,8 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
     log(settings, f"wrote {settings.out_dir / 'results.json'}, {settings.out_dir / 'tables.md'}, "
                   + ", ".join(str(settings.out_dir / name) for name in results["plots"]))
     return results
+
+
+@contextmanager
+def _no_phase() -> Iterator[None]:
+    yield

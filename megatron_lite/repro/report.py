@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from megatron_lite.eval.report import format_ppl, markdown_table, plot_passkey_heatmap, plot_perplexity
+from megatron_lite.eval.report import (format_ppl, markdown_table, plot_passkey_heatmap, plot_perplexity,
+                                       plots_available)
 
 PAPER_TABLE_1 = """Paper, Table 1 (350M models trained on 512 tokens, PG-19, columns 512 ... 32K = 1x ... 64x):
 
@@ -111,11 +112,28 @@ def training_table(results: dict[str, Any]) -> str:
     def number(value: float | None, digits: int = 3) -> str:
         return "–" if value is None else f"{value:.{digits}f}"
 
+    def rate(value: float | None) -> str:
+        return "–" if value is None else f"{value:,.0f}"
+
     body = [[info["display_name"], f"{info['parameters']:,}", f"{info['steps']:,}", f"{info['tokens']:,}",
-             number(info["final_train_loss"]), number(info["final_val_loss"]), number(info["final_val_ppl"], 2),
-             info["action"]] for scheme, info in results["training"].items()]
-    return markdown_table(["model", "parameters", "steps", "training tokens", "last train loss", "val loss", "val ppl",
-                           "this invocation"], body)
+             rate(info.get("tokens_per_sec")), number(info["final_train_loss"]), number(info["final_val_loss"]),
+             number(info["final_val_ppl"], 2), info["action"]] for scheme, info in results["training"].items()]
+    return markdown_table(["model", "parameters", "steps", "training tokens", "tokens/s", "last train loss", "val loss",
+                           "val ppl", "this invocation"], body)
+
+
+def probe_section(probe: dict[str, Any]) -> str:
+    """The speedrun's probe and the step count it set."""
+    plan = probe["plan"]
+    body = [[scheme, f"{row['steps']}", f"{row['tokens_per_sec']:,.0f}", f"{row['startup_seconds']:.1f}",
+             f"{row['wall_seconds']:.1f}"] for scheme, row in probe["probes"].items()]
+    budget = plan["budget"]
+    return ("## Probe and budget\n\n" + markdown_table(["scheme", "steps", "steady tokens/s", "start-up s", "wall s"], body)
+            + f"\n\nBudget {budget['total_seconds']:g} s for training + evaluation of all models: per model "
+              f"{plan['train_seconds_per_model']} s of training after {plan['startup_seconds']} s start-up and "
+              f"{budget['eval_seconds_per_model']:g} s evaluation; at the slowest {plan['slowest_tokens_per_sec']:,.0f} "
+              f"tokens/s and {plan['tokens_per_step']:,} tokens per step: {plan['train_iters']:,} steps "
+              f"(limited by the {plan['limited_by']}).")
 
 
 def wall_time_table(results: dict[str, Any]) -> str:
@@ -132,7 +150,10 @@ def tables_markdown(results: dict[str, Any], headline_factor: float | None) -> s
     train_length, perplexity, passkey = results["train_length"], results["perplexity"], results["passkey"]
     labels, rotary = display_names(results), rotary_models(results)
     headline_rows = headline_keys(schemes, rotary, headline)
-    parts = [f"# Tiny CoCA reproduction: {', '.join(labels.values())}\n\n"
+    title = "Tiny CoCA reproduction" if settings.get("profile", "cpu-tiny") == "cpu-tiny" else "CoCA speedrun"
+    if settings.get("dry_run"):
+        title += " (dry run at toy size)"
+    parts = [f"# {title}: {', '.join(labels.values())}\n\n"
              f"Trained on {train_length} tokens for {results['train_iters']:,} steps; columns give tokens and (x) "
              "multiples of the training length. Dynamic NTK rows of Tables 1-2: "
              f"{'factor ' + format(headline, 'g') if headline is not None else 'none'}.\n\n"
@@ -157,14 +178,19 @@ def tables_markdown(results: dict[str, Any], headline_factor: float | None) -> s
         if passkey:
             part += "\n\nPasskey accuracy:\n\n" + _grid(passkey, "length", sweep, labels, _accuracy_cell, train_length)
         parts.append(part)
+    if "probe" in results:
+        parts.append(probe_section(results["probe"]))
     parts.append("## Wall time\n\n" + wall_time_table(results))
     parts.append("## For comparison\n\n" + PAPER_TABLE_1)
     return "\n\n".join(parts) + "\n"
 
 
 def write_plots(results: dict[str, Any], passkey_cases: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """perplexity_vs_window.png (Table 1 rows), perplexity_ntk_factors.png (Table 3 rows), passkey_heatmap.png."""
+    """perplexity_vs_window.png (Table 1 rows), perplexity_ntk_factors.png (Table 3 rows), passkey_heatmap.png;
+    none where matplotlib is not installed (a bare GPU node: the tables and results.json hold every number)."""
     written: list[Path] = []
+    if not plots_available():
+        return written
     schemes, rotary = list(results["training"]), rotary_models(results)
     factors = results["settings"]["ntk_factors"]
     headline = results["settings"]["headline_ntk_factor"] if factors else None

@@ -1,8 +1,13 @@
-"""Settings of the tiny reproduction, their validation, the four configs and the data mix file.
+"""Settings of the reproduction (both profiles), their validation, the four configs and the data mix file.
 
-OUT layout: ``data/mix.yml`` + ``data/cache/`` (tokenizer, shards), ``runs/<scheme>/`` (train.py run
-dirs), ``logs/train_<scheme>.log``, ``eval/<scheme>/{perplexity,passkey}/`` (evaluation outputs and
-caches), ``results.json``, ``tables.md``, plots, ``wall_times.json``.
+Profiles: ``cpu-tiny`` (configs/tiny/repro_*.yml, books read and tokenised here) and ``gpu-speedrun``
+(configs/speedrun/repro_*.yml, a pre-tokenised data bundle, the step count from a throughput probe;
+megatron_lite.repro.speedrun).
+
+OUT layout: ``data/mix.yml`` + ``data/cache/`` (tokenizer, shards; the speedrun adds ``data/bundle/``),
+``runs/<scheme>/`` (train.py run dirs), ``logs/train_<scheme>.log``, ``eval/<scheme>/{perplexity,passkey}/``
+(evaluation outputs and caches), ``results.json``, ``tables.md``, plots, ``wall_times.json``; the speedrun
+also ``probe/`` and ``probe.json``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ from megatron_lite.files import file_sha256, write_text_atomic
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMES = ("alibi", "rope", "coca_slack", "coca_strict")
+PROFILES = ("cpu-tiny", "gpu-speedrun")
+PHASES = ("data", "probe", "train", "eval", "report")  # the speedrun's; cpu-tiny has no probe
 DEFAULT_CONFIG_DIR = REPO_ROOT / "configs" / "tiny"
+SPEEDRUN_CONFIG_DIR = REPO_ROOT / "configs" / "speedrun"
 DEFAULT_WINDOWS = [128 * 2**i for i in range(6)]  # 128 ... 4096: 1x ... 32x the training length
 DEFAULT_PASSKEY_LENGTHS = [128 * 2**i for i in range(5)]  # 128 ... 2048
 DEFAULT_NTK_FACTORS = [2.0, 4.0, 8.0]
@@ -29,10 +37,30 @@ TEXT_WEIGHT, CODE_WEIGHT = 0.75, 0.25  # the paper's text / code token shares
 
 
 @dataclass
+class SpeedrunBudget:
+    """The gpu-speedrun's wall-time budget (seconds); the probe turns it into one step count."""
+
+    total_seconds: float = 540.0  # training + evaluation of all four models: 9 minutes on one H100
+    eval_seconds_per_model: float = 40.0  # perplexity + passkey of one model, all scalings (an allowance)
+    report_seconds: float = 10.0
+    probe_steps: int = 30  # steps per scheme in the probe (its first log interval, with the compile, is dropped)
+    max_train_tokens: int = 200_000_000  # cap on tokens per model however fast the device is
+    min_train_iters: int = 100  # below this the budget cannot train anything worth evaluating: refuse
+
+
+@dataclass
 class ReproSettings:
-    books: Path  # training books: a directory of raw Project Gutenberg .txt files
-    eval_books: Path  # evaluation books (PG-19 test): a directory of .txt (or parquet) books
+    books: Path | None  # cpu-tiny: training books, a directory of raw Project Gutenberg .txt files
+    eval_books: Path | None  # evaluation books (PG-19 test): .txt (or parquet) books; the speedrun: the bundle's
     out_dir: Path
+    profile: str = "cpu-tiny"
+    bundle: Path | None = None  # gpu-speedrun: the data bundle (tools/build_data_bundle.py)
+    dry_run: bool = False  # gpu-speedrun at toy size (CPU, fp32): every phase, minutes
+    phases: list[str] = field(default_factory=lambda: list(PHASES))  # run only these phases (the rest must be done)
+    budget: SpeedrunBudget = field(default_factory=SpeedrunBudget)
+    eval_device: str = "cpu"  # the speedrun: cuda when there is one (not in a dry run)
+    eval_dtype: str = "fp32"  # the speedrun on CUDA: bf16
+    profile_overrides: list[str] = field(default_factory=list)  # set by the profile (bundle vocab, tokenizer, toy model)
     schemes: list[str] = field(default_factory=lambda: list(SCHEMES))
     train_iters: int | None = None  # None: the configs' train.train_iters
     windows: list[int] = field(default_factory=lambda: list(DEFAULT_WINDOWS))
@@ -74,8 +102,15 @@ def check_no_overlap(books: Path, eval_books: Path) -> None:
                          "evaluation books must be held out of training")
 
 
-def validate_settings(settings: ReproSettings) -> None:
-    """ValueError naming the offending flag for every user error that needs no config."""
+def _validate_sources(settings: ReproSettings) -> None:
+    if settings.profile == "gpu-speedrun":
+        if settings.bundle is None:
+            raise ValueError("--bundle: the gpu-speedrun profile trains on a data bundle (tools/build_data_bundle.py)")
+        if not settings.bundle.is_file():
+            raise ValueError(f"--bundle {settings.bundle}: no such file")
+        return
+    if settings.books is None or settings.eval_books is None:
+        raise ValueError(f"--books and --eval-books: the {settings.profile} profile needs both")
     if not settings.books.is_dir():
         raise ValueError(f"--books {settings.books}: not a directory")
     if not _text_files(settings.books):
@@ -85,6 +120,16 @@ def validate_settings(settings: ReproSettings) -> None:
     if settings.books.resolve() == settings.eval_books.resolve():
         raise ValueError(f"--eval-books {settings.eval_books}: the same directory as --books; hold the evaluation "
                          "books out of training")
+
+
+def validate_settings(settings: ReproSettings) -> None:
+    """ValueError naming the offending flag for every user error that needs no config."""
+    if settings.profile not in PROFILES:
+        raise ValueError(f"--profile {settings.profile!r}: unknown; choose from {', '.join(PROFILES)}")
+    for phase in settings.phases:
+        if phase not in PHASES:
+            raise ValueError(f"--only {phase!r}: unknown phase; choose from {', '.join(PHASES)}")
+    _validate_sources(settings)
     if not settings.schemes:
         raise ValueError("--schemes: give at least one of " + ", ".join(SCHEMES))
     for scheme in settings.schemes:
@@ -110,13 +155,18 @@ def validate_settings(settings: ReproSettings) -> None:
     if settings.ntk_factors and settings.headline_ntk_factor not in settings.ntk_factors:
         raise ValueError(f"--headline-ntk-factor {settings.headline_ntk_factor:g}: must be one of --ntk-factors "
                          f"{','.join(f'{f:g}' for f in settings.ntk_factors)}")
-    check_no_overlap(settings.books, settings.eval_books)
+    if settings.books is not None and settings.eval_books is not None:
+        check_no_overlap(settings.books, settings.eval_books)
 
 
 def absolute(settings: ReproSettings) -> ReproSettings:
     """The settings with every path absolute (train.py runs as a subprocess)."""
-    return replace(settings, books=settings.books.resolve(), eval_books=settings.eval_books.resolve(),
-                   out_dir=settings.out_dir.resolve(), config_dir=settings.config_dir.resolve())
+    def resolved(path: Path | None) -> Path | None:
+        return None if path is None else path.resolve()
+
+    return replace(settings, books=resolved(settings.books), eval_books=resolved(settings.eval_books),
+                   bundle=resolved(settings.bundle), out_dir=settings.out_dir.resolve(),
+                   config_dir=settings.config_dir.resolve())
 
 
 def mix_path(settings: ReproSettings) -> Path:
@@ -132,8 +182,9 @@ def config_path(settings: ReproSettings, scheme: str) -> Path:
 
 
 def all_overrides(settings: ReproSettings) -> list[str]:
-    """The user's --set overrides, then the data location (JSON strings are valid YAML scalars)."""
-    return [*settings.overrides, f"data.mix={json.dumps(str(mix_path(settings)))}",
+    """The profile's overrides, the user's --set overrides, then the data location (JSON strings are valid YAML
+    scalars)."""
+    return [*settings.profile_overrides, *settings.overrides, f"data.mix={json.dumps(str(mix_path(settings)))}",
             f"data.cache_dir={json.dumps(str(settings.out_dir / 'data' / 'cache'))}"]
 
 
@@ -172,6 +223,10 @@ def planned_train_iters(settings: ReproSettings, config: Config, scheme: str) ->
 
 
 def mix_document(settings: ReproSettings) -> dict[str, Any]:
+    if settings.profile == "gpu-speedrun":
+        from megatron_lite.repro.speedrun import bundle_mix_document
+
+        return bundle_mix_document(settings)
     code: dict[str, Any] = {"type": "python_code"}
     if settings.code_max_documents is not None:
         code["max_documents"] = settings.code_max_documents
@@ -201,5 +256,5 @@ def write_mix(settings: ReproSettings) -> Path:
 
 def log(settings: ReproSettings, message: str) -> None:
     if settings.progress:
-        print(f"[reproduce_tiny] {message}", flush=True)
+        print(f"[reproduce] {message}", flush=True)
 

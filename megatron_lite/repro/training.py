@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -13,7 +15,8 @@ from typing import Any
 
 from megatron_lite import checkpoint_dirs
 from megatron_lite.config import Config
-from megatron_lite.repro.settings import REPO_ROOT, ReproSettings, all_overrides, config_path, log, run_dir
+from megatron_lite.repro.settings import REPO_ROOT, ReproSettings, all_overrides, config_path, log
+from megatron_lite.repro.settings import run_dir as run_dir_of
 
 
 class TrainingFailed(RuntimeError):
@@ -35,22 +38,50 @@ def training_status(directory: Path, train_iters: int) -> TrainingStatus:
     return TrainingStatus(step, latest, step == train_iters)
 
 
-def train_command(settings: ReproSettings, scheme: str, train_iters: int) -> list[str]:
+def train_command(settings: ReproSettings, scheme: str, train_iters: int, run_dir: Path | None = None) -> list[str]:
+    directory = run_dir or run_dir_of(settings, scheme)
     command = [settings.python, str(REPO_ROOT / "train.py"), "--config", str(config_path(settings, scheme)),
-               "--run-dir", str(run_dir(settings, scheme)), "--resume", "auto", "--train-iters", str(train_iters)]
+               "--run-dir", str(directory), "--resume", "auto", "--train-iters", str(train_iters)]
     for override in all_overrides(settings):
         command += ["--set", override]
+    if settings.profile == "gpu-speedrun":
+        from megatron_lite.repro.speedrun import speedrun_save_interval
+
+        command += ["--set", f"train.save_interval={speedrun_save_interval(train_iters)}"]
     return command
 
 
-def run_logged(command: Sequence[str], log_path: Path, echo: bool, threads: int) -> int:
+class _TerminationForwarder:
+    """SIGTERM (a scheduler's or ``timeout``'s) reaches only this process, not train.py: pass it on, so
+    train.py saves a checkpoint and exits, then stop like Ctrl-C once it has."""
+
+    def __init__(self, process: subprocess.Popen) -> None:
+        self.process = process
+        self.received = False
+
+    def __enter__(self) -> _TerminationForwarder:
+        self.previous = signal.signal(signal.SIGTERM, self._forward)
+        return self
+
+    def _forward(self, signum: int, frame: object) -> None:
+        self.received = True
+        self.process.send_signal(signal.SIGTERM)
+
+    def __exit__(self, *exc: object) -> None:
+        signal.signal(signal.SIGTERM, self.previous)
+
+
+def run_logged(command: Sequence[str], log_path: Path, echo: bool, threads: int,
+               extra_env: dict[str, str] | None = None) -> int:
     """Run ``command`` with ``threads`` OpenMP/MKL threads, appending its output to ``log_path`` (and to
     stdout when ``echo``); returns its exit code.
 
-    Ctrl-C reaches train.py too (same process group); it saves a checkpoint and exits, and we wait for it.
+    Ctrl-C reaches train.py too (same process group); a SIGTERM to us is forwarded. Either way train.py
+    saves a checkpoint and exits, we wait for it, and KeyboardInterrupt stops the reproduction.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           **(extra_env or {})}
     if not echo:
         env["TQDM_DISABLE"] = "1"
     with log_path.open("ab") as log_file:
@@ -67,13 +98,18 @@ def run_logged(command: Sequence[str], log_path: Path, echo: bool, threads: int)
                     sys.stdout.buffer.write(chunk)
                     sys.stdout.flush()
 
-        try:
-            pump()
-        except KeyboardInterrupt:
-            pump()  # train.py is saving its checkpoint; keep its pipe drained until it exits
-            process.wait()
-            raise
-        return process.wait()
+        with _TerminationForwarder(process) as termination:
+            try:
+                pump()
+            except KeyboardInterrupt:
+                pump()  # train.py is saving its checkpoint; keep its pipe drained until it exits
+                process.wait()
+                raise
+            code = process.wait()
+            process.stdout.close()
+        if termination.received:
+            raise KeyboardInterrupt
+        return code
 
 
 def _log_tail(path: Path, num_lines: int = 15) -> str:
@@ -91,6 +127,7 @@ def training_summary(directory: Path, config: Config, action: str) -> dict[str, 
     rows = read_metrics(metrics_path) if metrics_path.is_file() else []
     losses = [row for row in rows if row.get("loss") is not None]
     validation = [row for row in rows if row.get("val_loss") is not None]
+    rates = [row["tokens_per_sec"] for row in rows if row.get("tokens_per_sec")]
     train = config.train
     tokens_per_step = train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * config.model.seq_length
     return {"action": action, "display_name": config.model.position.display_name,
@@ -99,12 +136,14 @@ def training_summary(directory: Path, config: Config, action: str) -> dict[str, 
             "final_train_loss": losses[-1]["loss"] if losses else None,
             "final_val_loss": validation[-1]["val_loss"] if validation else None,
             "final_val_ppl": validation[-1].get("val_ppl") if validation else None,
+            "tokens_per_sec": round(statistics.median(rates[1:] or rates), 1) if rates else None,
             "checkpoint": str(status.checkpoint) if status.checkpoint else None}
 
 
-def train_scheme(settings: ReproSettings, scheme: str, config: Config, train_iters: int) -> dict[str, Any]:
+def train_scheme(settings: ReproSettings, scheme: str, config: Config, train_iters: int,
+                 extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Skip a finished model, else run train.py (resuming from the latest complete checkpoint)."""
-    directory = run_dir(settings, scheme)
+    directory = run_dir_of(settings, scheme)
     before = training_status(directory, train_iters)
     if before.step > train_iters:
         raise ValueError(f"--train-iters {train_iters}: {directory} already holds a checkpoint at step {before.step}; "
@@ -116,7 +155,7 @@ def train_scheme(settings: ReproSettings, scheme: str, config: Config, train_ite
     log_path = settings.out_dir / "logs" / f"train_{scheme}.log"
     log(settings, f"train {scheme}: {action.replace('trained', 'starting')}, {train_iters} steps; log {log_path}")
     exit_code = run_logged(train_command(settings, scheme, train_iters), log_path, settings.progress,
-                           settings.threads)
+                           settings.threads, extra_env)
     after = training_status(directory, train_iters)
     if exit_code != 0:
         raise TrainingFailed(f"train.py for {scheme} exited with code {exit_code} (log {log_path}):\n"

@@ -1,4 +1,4 @@
-"""tools/reproduce_tiny.py (megatron_lite.repro) on a toy budget: tiny books with Gutenberg headers
+"""tools/reproduce.py --profile cpu-tiny (megatron_lite.repro) on a toy budget: tiny books with Gutenberg headers
 made in tmp_path, a capped stdlib, a 2-layer model trained 2 steps per scheme, 2 windows and 1 passkey
 case; then the resume behaviour (finished models skipped, an unfinished one resumed) and user errors."""
 
@@ -19,7 +19,7 @@ from megatron_lite.repro.training import training_status
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
-import reproduce_tiny  # noqa: E402
+import reproduce  # noqa: E402
 
 WORDS = ("the old ship sailed past green hills while seven sailors sang of rivers stone bridges quiet towns and "
          "the long road home under a blue sky where the grass is green and the sun is yellow").split()
@@ -62,7 +62,7 @@ def toy_argv(books: Path, eval_books: Path, out: Path, *extra: str) -> list[str]
 def test_toy_reproduction_end_to_end_and_resume(toy_books: tuple[Path, Path], tmp_path: Path) -> None:
     books, eval_books = toy_books
     out = tmp_path / "repro"
-    assert reproduce_tiny.main(toy_argv(books, eval_books, out)) == 0
+    assert reproduce.main(toy_argv(books, eval_books, out)) == 0
 
     results = json.loads((out / "results.json").read_text())
     assert list(results["training"]) == list(SCHEMES)
@@ -94,7 +94,7 @@ def test_toy_reproduction_end_to_end_and_resume(toy_books: tuple[Path, Path], tm
     cache_files = sorted((out / "eval").rglob("cache/*/*.json"))
     stamps = [path.stat().st_mtime_ns for path in cache_files]
     log_sizes = [(out / f"logs/train_{s}.log").stat().st_size for s in SCHEMES]
-    assert reproduce_tiny.main(toy_argv(books, eval_books, out)) == 0
+    assert reproduce.main(toy_argv(books, eval_books, out)) == 0
     again = json.loads((out / "results.json").read_text())
     assert all(info["action"] == "skipped (finished)" for info in again["training"].values())
     assert [(out / f"logs/train_{s}.log").stat().st_size for s in SCHEMES] == log_sizes  # train.py never ran
@@ -105,7 +105,7 @@ def test_toy_reproduction_end_to_end_and_resume(toy_books: tuple[Path, Path], tm
     assert again["wall_seconds_all_invocations"]["train rope"] >= first_phases["train rope"]
 
     # One more step for RoPE only: its final checkpoint is no longer final, so it resumes from step 2.
-    settings = reproduce_tiny.settings_from_args(reproduce_tiny.parse_args(
+    settings = reproduce.settings_from_args(reproduce.parse_args(
         toy_argv(books, eval_books, out, "--schemes", "rope", "--train-iters", "3")))
     resumed = run_reproduction(settings)
     assert resumed["training"]["rope"]["action"] == "resumed from step 2"
@@ -163,15 +163,15 @@ def test_evaluation_books_must_be_held_out(toy_books: tuple[Path, Path], tmp_pat
     (leaked / "copy.txt").write_bytes((books / "book3.txt").read_bytes())
     with pytest.raises(ValueError, match=r"--eval-books .*1 book\(s\) are also in --books .*copy.txt = book3.txt"):
         validate_settings(ReproSettings(books=books, eval_books=leaked, out_dir=tmp_path))
-    assert reproduce_tiny.main(toy_argv(books, leaked, tmp_path / "out")) == 2
+    assert reproduce.main(toy_argv(books, leaked, tmp_path / "out")) == 2
 
 
 def test_documented_command_parses_to_the_documented_defaults() -> None:
     import shlex
 
     doc = (REPO / "docs/reproduction.md").read_text()
-    command = next(line for line in doc.splitlines() if line.startswith("python tools/reproduce_tiny.py"))
-    settings = reproduce_tiny.settings_from_args(reproduce_tiny.parse_args(shlex.split(command)[2:]))
+    command = next(line for line in doc.splitlines() if line.startswith("python tools/reproduce.py --profile cpu-tiny"))
+    settings = reproduce.settings_from_args(reproduce.parse_args(shlex.split(command)[2:]))
     assert settings.schemes == list(SCHEMES) and settings.windows == [128, 256, 512, 1024, 2048, 4096]
     assert settings.passkey_lengths == [128, 256, 512, 1024, 2048] and settings.passkey_cases == 100
     assert settings.ntk_factors == [2.0, 4.0, 8.0] and settings.threads == 1

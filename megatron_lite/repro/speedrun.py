@@ -1,0 +1,173 @@
+"""The gpu-speedrun profile: the data bundle as the mix, the throughput probe and the step count it sets.
+
+The four models (configs/speedrun/repro_*.yml: 8 layers, width 512, 8 heads, length 512, bf16, compiled
+on CUDA) train on the bundle's pre-tokenised shards through two ``type: megatron`` sources (75% books,
+25% Python code). Before the first model trains, every scheme runs ``probe_steps`` steps
+(``OUT/probe/<scheme>``); the slowest steady-state tokens/s and the largest start-up cost (process,
+DeepSpeed, compile) turn the budget into one step count for all four, kept in ``OUT/probe.json`` so a
+resumed or split run trains every model to the same step. The probe also fills the compile cache
+(``TORCHINDUCTOR_CACHE_DIR`` = ``OUT/inductor_cache``), so the models' own compiles are warm.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from megatron_lite.config import Config
+from megatron_lite.files import write_text_atomic
+from megatron_lite.repro.settings import CODE_WEIGHT, TEXT_WEIGHT, ReproSettings, SpeedrunBudget, log
+
+DRY_RUN_MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2",
+                 "model.intermediate_size=64", "model.seq_length=32", "model.max_position_embeddings=32",
+                 "precision=fp32", "train.compile=false", "train.train_micro_batch_size_per_gpu=4",
+                 "train.log_interval=1", "train.eval_interval=0", "train.num_workers=0", "data.num_workers=1"]
+DRY_RUN_MAX_ITERS = 3  # the dry run proves the phases, not the numbers
+PROBE_LOG_INTERVAL = 5
+
+
+def bundle_dir(settings: ReproSettings) -> Path:
+    return settings.out_dir / "data" / "bundle"
+
+
+def unpack(settings: ReproSettings) -> Any:
+    """The bundle, unpacked under OUT/data/bundle and verified (a no-op when it already is)."""
+    from megatron_lite.repro.bundle import unpack_bundle
+
+    assert settings.bundle is not None
+    return unpack_bundle(settings.bundle, bundle_dir(settings))
+
+
+def bundle_mix_document(settings: ReproSettings) -> dict[str, Any]:
+    from megatron_lite.repro.bundle import unpack_bundle
+
+    assert settings.bundle is not None
+    bundle = unpack_bundle(settings.bundle, bundle_dir(settings))
+    tokenizer = str(bundle.tokenizer)
+    return {
+        "description": "CoCA speedrun: the data bundle's pre-tokenised Gutenberg books (text) and Python sources "
+                       "(code), 75/25 by tokens",
+        "groups": {
+            "text": {"weight": TEXT_WEIGHT, "sources": {
+                "gutenberg_books": {"type": "megatron", "path": str(bundle.text_shards), "tokenizer": tokenizer}}},
+            "code": {"weight": CODE_WEIGHT, "sources": {
+                "python_code": {"type": "megatron", "path": str(bundle.code_shards), "tokenizer": tokenizer}}},
+        },
+    }
+
+
+def profile_overrides(settings: ReproSettings, bundle: Any) -> list[str]:
+    """The bundle's tokenizer and vocabulary for every model; the toy model in a dry run."""
+    overrides = [f"data.tokenizer.model={json.dumps(str(bundle.tokenizer))}", f"model.vocab_size={bundle.vocab_size}"]
+    return overrides + (DRY_RUN_MODEL if settings.dry_run else [])
+
+
+def environment(settings: ReproSettings) -> dict[str, str]:
+    """Environment of train.py: the compile cache kept in OUT, so the probe's compiles serve the models."""
+    return {"TORCHINDUCTOR_CACHE_DIR": str(settings.out_dir / "inductor_cache")}
+
+
+# ----------------------------------------------------------------------------------------------
+# The probe
+
+
+def probe_path(settings: ReproSettings) -> Path:
+    return settings.out_dir / "probe.json"
+
+
+def tokens_per_step(config: Config) -> int:
+    train = config.train
+    return train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * config.model.seq_length
+
+
+def _steady_tokens_per_second(metrics_path: Path) -> float:
+    """Median tokens/s of the logged intervals after the first (which holds the compile and warm-up)."""
+    from megatron_lite.training.metrics import read_metrics
+
+    rates = [row["tokens_per_sec"] for row in read_metrics(metrics_path) if row.get("tokens_per_sec")]
+    steady = rates[1:] or rates
+    if not steady:
+        raise ValueError(f"{metrics_path}: the probe logged no throughput")
+    return float(statistics.median(steady))
+
+
+def probe_scheme(settings: ReproSettings, scheme: str, config: Config) -> dict[str, Any]:
+    """``probe_steps`` steps of one scheme from scratch; its steady tokens/s and start-up seconds."""
+    import time
+
+    from megatron_lite.repro.training import TrainingFailed, run_logged, train_command
+
+    run = settings.out_dir / "probe" / scheme
+    shutil.rmtree(run, ignore_errors=True)  # an interrupted probe starts over: it must time a cold start
+    steps = settings.budget.probe_steps
+    command = train_command(settings, scheme, steps, run_dir=run)
+    command += ["--set", f"train.log_interval={min(PROBE_LOG_INTERVAL, max(1, steps // 3))}",
+                "--set", "train.eval_interval=0", "--set", "train.save_interval=0"]
+    log_path = settings.out_dir / "logs" / f"probe_{scheme}.log"
+    start = time.perf_counter()
+    exit_code = run_logged(command, log_path, settings.progress, settings.threads, environment(settings))
+    wall = time.perf_counter() - start
+    if exit_code != 0:
+        raise TrainingFailed(f"the probe of {scheme} (train.py) exited with code {exit_code} (log {log_path})")
+    rate = _steady_tokens_per_second(run / "metrics.jsonl")
+    training_seconds = steps * tokens_per_step(config) / rate
+    shutil.rmtree(run / "checkpoints", ignore_errors=True)  # only the timing is kept
+    return {"steps": steps, "tokens_per_sec": round(rate, 1), "wall_seconds": round(wall, 1),
+            "startup_seconds": round(max(0.0, wall - training_seconds), 1)}
+
+
+def plan_train_iters(budget: SpeedrunBudget, probes: dict[str, dict[str, Any]], step_tokens: int,
+                     models: int) -> dict[str, Any]:
+    """One step count for every model from the probe: the budget left after each model's start-up and
+    evaluation allowance, split evenly, at the slowest scheme's tokens/s; capped at ``max_train_tokens``."""
+    slowest = min(probe["tokens_per_sec"] for probe in probes.values())
+    startup = max(probe["startup_seconds"] for probe in probes.values())
+    train_seconds = (budget.total_seconds - budget.report_seconds) / models - startup - budget.eval_seconds_per_model
+    by_budget = math.floor(max(0.0, train_seconds) * slowest / step_tokens)
+    by_cap = budget.max_train_tokens // step_tokens
+    return {"train_iters": min(by_budget, by_cap), "limited_by": "budget" if by_budget <= by_cap else "token cap",
+            "train_seconds_per_model": round(train_seconds, 1), "slowest_tokens_per_sec": slowest,
+            "startup_seconds": startup, "tokens_per_step": step_tokens, "budget": asdict(budget)}
+
+
+def planned_iters(settings: ReproSettings, configs: dict[str, Config]) -> int:
+    """The probe's step count (probing the schemes not probed yet), or --train-iters when given."""
+    if settings.train_iters is not None:
+        return settings.train_iters
+    path = probe_path(settings)
+    record: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {"probes": {}}
+    if "plan" not in record:
+        if "probe" not in settings.phases:
+            raise ValueError(f"--only {','.join(settings.phases)}: no step count yet ({path} is missing); run the "
+                             "probe phase first or pass --train-iters")
+        for scheme in settings.schemes:
+            if scheme not in record["probes"]:
+                log(settings, f"probe {scheme}: {settings.budget.probe_steps} steps")
+                record["probes"][scheme] = probe_scheme(settings, scheme, configs[scheme])
+                write_text_atomic(path, json.dumps(record, indent=1) + "\n")
+        first = configs[settings.schemes[0]]
+        record["plan"] = plan_train_iters(settings.budget, record["probes"], tokens_per_step(first),
+                                          len(settings.schemes))
+        write_text_atomic(path, json.dumps(record, indent=1) + "\n")
+    plan = record["plan"]
+    log(settings, f"probe: slowest {plan['slowest_tokens_per_sec']:,.0f} tokens/s, start-up {plan['startup_seconds']} s"
+                  f" -> {plan['train_iters']:,} steps per model ({plan['limited_by']}; "
+                  f"{plan['train_seconds_per_model']} s of training each)")
+    iters = int(plan["train_iters"])
+    if settings.dry_run:
+        return max(1, min(iters, DRY_RUN_MAX_ITERS))
+    if iters < settings.budget.min_train_iters:
+        raise ValueError(f"{path}: the probe allows only {iters} steps per model in the {settings.budget.total_seconds:g} s "
+                         "budget; this device is too slow for the speedrun (pass --train-iters or --budget-seconds)")
+    return iters
+
+
+def speedrun_save_interval(train_iters: int) -> int:
+    """About four checkpoints per model: a call cut off at its time limit loses at most a quarter."""
+    return max(1, train_iters // 4)
+

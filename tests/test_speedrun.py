@@ -1,0 +1,93 @@
+"""tools/reproduce.py --profile gpu-speedrun: the probe's step count, a dry run of every phase from a real
+(tiny) data bundle on a node without wandb, datasets, zstandard or matplotlib, a run split into calls
+with --only, and a SIGTERM (a scheduler's, ``timeout``'s) reaching train.py through the reproduction."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_lite.repro.settings import SpeedrunBudget
+from megatron_lite.repro.speedrun import plan_train_iters
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "tests"))
+import reproduce  # noqa: E402
+from test_reproduce import TOY_MODEL, write_books  # noqa: E402
+
+BARE_NODE_BLOCKER = '''
+import importlib.abc, sys
+BLOCKED = {"wandb", "datasets", "zstandard", "matplotlib"}
+
+class BareNode(importlib.abc.MetaPathFinder):
+    """What a bare GPU node lacks (docs/reproduction.md): importing it fails as if not installed."""
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r} (a bare node)", name=name)
+        return None
+
+sys.meta_path.insert(0, BareNode())
+'''
+
+
+def test_plan_splits_the_budget_at_the_slowest_scheme() -> None:
+    probes = {"rope": {"tokens_per_sec": 2_000_000.0, "startup_seconds": 30.0},
+              "alibi": {"tokens_per_sec": 1_600_000.0, "startup_seconds": 45.0}}
+    budget = SpeedrunBudget(total_seconds=540, eval_seconds_per_model=40, report_seconds=10)
+    plan = plan_train_iters(budget, probes, step_tokens=32_768, models=4)
+    # (540 - 10) / 4 - 45 - 40 = 47.5 s of training at 1.6M tokens/s = 76M tokens = 2,319 steps of 32,768
+    assert plan["train_seconds_per_model"] == 47.5 and plan["train_iters"] == 2319 and plan["limited_by"] == "budget"
+    capped = plan_train_iters(SpeedrunBudget(max_train_tokens=32_768 * 100), probes, 32_768, 4)
+    assert capped["train_iters"] == 100 and capped["limited_by"] == "token cap"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--profile", "cpu-tiny", "--dry-run"], "--dry-run: only the gpu-speedrun profile has one"),
+    (["--profile", "gpu-speedrun", "--books", "x"], "--books/--eval-books: the gpu-speedrun profile reads"),
+    (["--profile", "gpu-speedrun", "--bundle", "/nonexistent.tar.xz"], "--bundle /nonexistent.tar.xz: no such file"),
+    (["--profile", "gpu-speedrun"], "--bundle: the gpu-speedrun profile trains on a data bundle"),
+    (["--profile", "gpu-speedrun", "--bundle", __file__, "--only", "data,fit"], "--only 'fit': unknown phase"),
+    (["--profile", "gpu-speedrun", "--bundle", __file__, "--probe-steps", "1"], "--probe-steps 1: must be >= 2"),
+])
+def test_user_errors_are_one_line(argv: list[str], message: str, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert reproduce.main([*argv, "--out", str(tmp_path / "out"), "--quiet"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and len(error.splitlines()) == 1
+
+
+def test_sigterm_reaches_train_py_which_saves_and_the_rerun_resumes(tmp_path: Path) -> None:
+    """``timeout`` or a scheduler signals only the reproduction; train.py must still save and stop."""
+    books = write_books(tmp_path / "books", [f"book{i}" for i in range(4)], 30, seed=3)
+    eval_books = write_books(tmp_path / "eval", ["heldout"], 40, seed=4)
+    out = tmp_path / "out"
+    argv = [sys.executable, str(REPO / "tools/reproduce.py"), "--books", str(books), "--eval-books", str(eval_books),
+            "--out", str(out), "--schemes", "rope", "--train-iters", "100000", "--windows", "32",
+            "--max-doc-tokens", "64", "--passkey-lengths", "", "--ntk-factors", "", "--code-max-documents", "4"]
+    for override in TOY_MODEL:
+        argv += ["--set", override]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "TQDM_DISABLE": "1"})
+    metrics = out / "runs/rope/metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read() if process.stderr else ""
+        time.sleep(0.5)
+    process.send_signal(signal.SIGTERM)  # to the reproduction only, not its process group
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 130, stderr
+    assert "interrupted: run the same command again to resume" in stderr
+    complete = sorted((out / "runs/rope/checkpoints").glob("*/COMPLETE"))
+    assert complete, "train.py did not save on the forwarded SIGTERM"
+    saved_step = json.loads(complete[-1].read_text())["step"]
+    assert 3 <= saved_step < 100000
+    log = (out / "logs/train_rope.log").read_text()
+    assert "SIGTERM" in log

@@ -1,0 +1,183 @@
+#!/usr/bin/env python
+"""CoCA reproduction: train ALiBi, RoPE, CoCA slack and CoCA strict models that differ only in the position
+scheme, then evaluate long-context perplexity and passkey retrieval. Two profiles:
+
+    # cpu-tiny: 2.9M-parameter models on CPU, books tokenised here (the default profile)
+    python tools/reproduce.py --profile cpu-tiny --books ../shared/data/gutenberg \\
+        --eval-books ../shared/data/pg19_test --out runs/repro_tiny
+    # gpu-speedrun: 25M-parameter models on one GPU from a data bundle (tools/build_data_bundle.py), <= 9 min
+    python tools/reproduce.py --profile gpu-speedrun --bundle speedrun_bundle.tar.xz --out runs/speedrun
+
+Resumable: a finished model is skipped, an interrupted one resumes from its latest checkpoint, and
+evaluation results are cached per cell; --only runs some phases (a run split into calls). Writes
+OUT/results.json, OUT/tables.md (the paper's Tables 1-3 layout), OUT/perplexity_vs_window.png,
+OUT/perplexity_ntk_factors.png, OUT/passkey_heatmap.png and OUT/wall_times.json; see docs/reproduction.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_lite.cli import cli_main, print_error, run_cli
+from megatron_lite.eval.scaling import parse_int_list
+from megatron_lite.repro.settings import (DEFAULT_NTK_FACTORS, DEFAULT_PASSKEY_LENGTHS, DEFAULT_WINDOWS, PHASES,
+                                          PROFILES, SCHEMES, SPEEDRUN_CONFIG_DIR, ReproSettings, SpeedrunBudget)
+
+# Per-profile defaults of the flags that differ (None in argparse means "the profile's").
+PROFILE_DEFAULTS: dict[str, dict[str, object]] = {
+    "cpu-tiny": {"windows": DEFAULT_WINDOWS, "passkey_lengths": DEFAULT_PASSKEY_LENGTHS, "passkey_cases": 100,
+                 "max_doc_tokens": 8192, "max_docs": 100, "batch_size": 4, "threads": 1},
+    # the paper's evaluation: windows 512 ... 16K (1x ... 32x), stride 512; passkey 512 ... 8K
+    "gpu-speedrun": {"windows": [512 * 2**i for i in range(6)], "passkey_lengths": [512 * 2**i for i in range(5)],
+                     "passkey_cases": 50, "max_doc_tokens": 16384, "max_docs": 20, "batch_size": 8, "threads": 4},
+    # the speedrun's phases at toy size on CPU (a 32-token model: windows 1x ... 4x)
+    "gpu-speedrun dry run": {"windows": [32, 64, 128], "passkey_lengths": [128, 256], "passkey_cases": 1,
+                             "max_doc_tokens": 128, "max_docs": 2, "batch_size": 4, "threads": 1},
+}
+
+
+def _joined(values: list[int] | list[float]) -> str:
+    return ",".join(f"{value:g}" for value in values)
+
+
+def parse_float_list(text: str, flag: str) -> list[float]:
+    """Comma-separated numbers, order kept, duplicates dropped; empty text gives []."""
+    values: list[float] = []
+    for item in text.split(","):
+        if item.strip():
+            try:
+                value = float(item)
+            except ValueError:
+                raise ValueError(f"{flag} {text!r}: {item.strip()!r} is not a number") from None
+            if value not in values:
+                values.append(value)
+    return values
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--profile", choices=PROFILES, default="cpu-tiny",
+                        help="cpu-tiny: 2.9M-parameter models on CPU; gpu-speedrun: 25M-parameter models on one GPU "
+                             "from a data bundle, the step count from a throughput probe")
+    parser.add_argument("--books", type=Path, default=None,
+                        help="cpu-tiny: training books, a directory of raw Project Gutenberg .txt files (headers are "
+                             "stripped)")
+    parser.add_argument("--eval-books", type=Path, default=None,
+                        help="cpu-tiny: evaluation books (the PG-19 test set), a directory of .txt (or parquet) books, "
+                             "held out (gpu-speedrun: the bundle's)")
+    parser.add_argument("--bundle", type=Path, default=None,
+                        help="gpu-speedrun: the data bundle (tools/build_data_bundle.py), unpacked into OUT/data/bundle "
+                             "and verified")
+    parser.add_argument("--out", type=Path, required=True, help="output directory (data, runs, eval, results)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="gpu-speedrun: every phase at toy size on CPU (a 2-layer model, a few steps)")
+    parser.add_argument("--only", default=",".join(PHASES),
+                        help="comma list of phases to run (probe: gpu-speedrun only); the earlier ones must be done")
+    parser.add_argument("--budget-seconds", type=float, default=SpeedrunBudget.total_seconds,
+                        help="gpu-speedrun: wall time for training + evaluation of all four models")
+    parser.add_argument("--eval-seconds", type=float, default=SpeedrunBudget.eval_seconds_per_model,
+                        help="gpu-speedrun: evaluation allowance per model inside the budget")
+    parser.add_argument("--probe-steps", type=int, default=SpeedrunBudget.probe_steps,
+                        help="gpu-speedrun: steps per scheme in the throughput probe")
+    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES, help="models to train")
+    parser.add_argument("--train-iters", type=int, default=None,
+                        help="optimizer steps per model (default: cpu-tiny train.train_iters of "
+                             "configs/tiny/repro_*.yml; gpu-speedrun: from the probe)")
+    parser.add_argument("--windows", default=None, help="perplexity context windows (default: the profile's)")
+    parser.add_argument("--stride", type=int, default=None, help="sliding-window stride (default: the training length)")
+    parser.add_argument("--max-doc-tokens", type=int, default=None,
+                        help="evaluation books are truncated to this many tokens (shorter ones skipped)")
+    parser.add_argument("--max-docs", type=int, default=None, help="evaluation books used at most")
+    parser.add_argument("--passkey-lengths", default=None,
+                        help="passkey prompt lengths in tokens; empty: no passkey test")
+    parser.add_argument("--passkey-cases", type=int, default=None, help="passkey cases per length (the paper: 100)")
+    parser.add_argument("--ntk-factors", default=_joined(DEFAULT_NTK_FACTORS),
+                        help="dynamic NTK factors evaluated besides no scaling (rotary models); empty: none")
+    parser.add_argument("--headline-ntk-factor", type=float, default=4.0,
+                        help="the dynamic NTK factor shown in Tables 1 and 2 (one of --ntk-factors)")
+    parser.add_argument("--batch-size", type=int, default=None, help="evaluation windows / passkey cases per forward")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads for training and evaluation (cpu-tiny: 1, fastest when other jobs share "
+                             "the cores)")
+    parser.add_argument("--seed", type=int, default=1234, help="passkey keys and depths")
+    parser.add_argument("--code-max-documents", type=int, default=None,
+                        help="cpu-tiny: read at most this many stdlib source files (default: all)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override applied to every model, e.g. --set train.lr=1e-3")
+    parser.add_argument("--config-dir", type=Path, default=None,
+                        help="directory holding repro_<scheme>.yml (default: the repository's configs/tiny or "
+                             "configs/speedrun)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars or log lines (logs still written)")
+    return parser.parse_args(argv)
+
+
+def _profile_default(args: argparse.Namespace, name: str) -> object:
+    value = getattr(args, name)
+    if value is not None:
+        return value
+    profile = args.profile + (" dry run" if args.profile == "gpu-speedrun" and args.dry_run else "")
+    default = PROFILE_DEFAULTS[profile][name]
+    return _joined(default) if isinstance(default, list) else default  # type: ignore[arg-type]
+
+
+def settings_from_args(args: argparse.Namespace) -> ReproSettings:
+    if args.dry_run and args.profile != "gpu-speedrun":
+        raise ValueError(f"--dry-run: only the gpu-speedrun profile has one (--profile {args.profile})")
+    speedrun = args.profile == "gpu-speedrun"
+    if speedrun and (args.books is not None or args.eval_books is not None):
+        raise ValueError("--books/--eval-books: the gpu-speedrun profile reads its books from --bundle")
+    if not speedrun and args.bundle is not None:
+        raise ValueError(f"--bundle: only the gpu-speedrun profile reads a bundle (--profile {args.profile})")
+    passkey_lengths = str(_profile_default(args, "passkey_lengths"))
+    windows = str(_profile_default(args, "windows"))
+    budget = SpeedrunBudget(total_seconds=args.budget_seconds, eval_seconds_per_model=args.eval_seconds,
+                            probe_steps=args.probe_steps)
+    if args.probe_steps < 2:
+        raise ValueError(f"--probe-steps {args.probe_steps}: must be >= 2 (the first interval holds the compile)")
+    phases = [phase.strip() for phase in args.only.split(",") if phase.strip()]
+    settings = ReproSettings(
+        books=args.books, eval_books=args.eval_books, out_dir=args.out, profile=args.profile, bundle=args.bundle,
+        dry_run=args.dry_run, phases=phases if speedrun else [p for p in phases if p != "probe"], budget=budget,
+        schemes=args.schemes, train_iters=args.train_iters, windows=parse_int_list(windows, "--windows"),
+        stride=args.stride, max_doc_tokens=int(_profile_default(args, "max_doc_tokens")),  # type: ignore[arg-type]
+        max_docs=int(_profile_default(args, "max_docs")),  # type: ignore[arg-type]
+        passkey_lengths=parse_int_list(passkey_lengths, "--passkey-lengths") if passkey_lengths.strip() else [],
+        passkey_cases=int(_profile_default(args, "passkey_cases")),  # type: ignore[arg-type]
+        ntk_factors=parse_float_list(args.ntk_factors, "--ntk-factors"),
+        headline_ntk_factor=args.headline_ntk_factor,
+        batch_size=int(_profile_default(args, "batch_size")),  # type: ignore[arg-type]
+        threads=int(_profile_default(args, "threads")),  # type: ignore[arg-type]
+        seed=args.seed, code_max_documents=args.code_max_documents, overrides=args.overrides,
+        progress=not args.quiet)
+    if args.config_dir is not None:
+        settings.config_dir = args.config_dir
+    elif speedrun:
+        settings.config_dir = SPEEDRUN_CONFIG_DIR
+    return settings
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> int:
+    from megatron_lite.eval.long_context import EvalOutOfMemory
+    from megatron_lite.repro import TrainingFailed, run_reproduction
+
+    args = parse_args(argv)
+    try:
+        results = run_reproduction(settings_from_args(args))
+    except (TrainingFailed, EvalOutOfMemory) as error:
+        print_error(error)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to resume (finished models and results are kept)",
+              file=sys.stderr)
+        return 130
+    if not args.quiet and "plots" in results:  # a report was written (not stopped early by --only)
+        print((args.out / "tables.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
