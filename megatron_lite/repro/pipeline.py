@@ -30,8 +30,8 @@ from typing import Any
 import torch
 
 from megatron_lite.files import write_text_atomic
-from megatron_lite.repro.settings import (ReproSettings, absolute, load_scheme_configs, log, planned_train_iters,
-                                          run_dir, validate_settings, write_mix)
+from megatron_lite.repro.settings import (ReproSettings, absolute, load_scheme_configs, log, mix_document,
+                                          planned_train_iters, run_dir, validate_settings, write_mix)
 from megatron_lite.repro import speedrun
 from megatron_lite.repro.training import train_scheme
 
@@ -142,7 +142,8 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
         with clock.phase("data"):
             from megatron_lite.data.preprocess import prepare_data
 
-            write_mix(settings)
+            write_mix(settings, speedrun.bundle_mix_document(settings) if settings.profile == "gpu-speedrun"
+                      else mix_document(settings))
             prepare_data(first.data, first.model.vocab_size, progress=settings.progress)
     if settings.profile == "gpu-speedrun":
         _require(settings, "data", (settings.out_dir / "data" / "mix.yml").is_file(), "no OUT/data/mix.yml")

@@ -166,8 +166,3 @@ def planned_iters(settings: ReproSettings, configs: dict[str, Config]) -> int:
                          "budget; this device is too slow for the speedrun (pass --train-iters or --budget-seconds)")
     return iters
 
-
-def speedrun_save_interval(train_iters: int) -> int:
-    """About four checkpoints per model: a call cut off at its time limit loses at most a quarter."""
-    return max(1, train_iters // 4)
-

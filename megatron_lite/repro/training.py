@@ -15,7 +15,8 @@ from typing import Any
 
 from megatron_lite import checkpoint_dirs
 from megatron_lite.config import Config
-from megatron_lite.repro.settings import REPO_ROOT, ReproSettings, all_overrides, config_path, log
+from megatron_lite.repro.settings import (REPO_ROOT, ReproSettings, all_overrides, config_path, log,
+                                          speedrun_save_interval)
 from megatron_lite.repro.settings import run_dir as run_dir_of
 
 
@@ -45,8 +46,6 @@ def train_command(settings: ReproSettings, scheme: str, train_iters: int, run_di
     for override in all_overrides(settings):
         command += ["--set", override]
     if settings.profile == "gpu-speedrun":
-        from megatron_lite.repro.speedrun import speedrun_save_interval
-
         command += ["--set", f"train.save_interval={speedrun_save_interval(train_iters)}"]
     return command
 
