@@ -92,9 +92,9 @@ class KeyCopier(nn.Module):
     """Reads the key from the prompt and spells ' K. Remember it.' (or a wrong key): a stand-in for a
     model with perfect (or broken) retrieval, so the loop and the scorer are checked end to end."""
 
-    def __init__(self, tokenizer: Tokenizer, offset: int = 0) -> None:
+    def __init__(self, tokenizer: Tokenizer, offset: int = 0, padding: int = 0) -> None:
         super().__init__()
-        self.tokenizer, self.offset = tokenizer, offset
+        self.tokenizer, self.offset, self.padding = tokenizer, offset, padding
         self.weight = nn.Parameter(torch.zeros(1))  # gives the module a device
 
     def new_cache(self, max_length: int) -> StandInCache:
@@ -104,7 +104,8 @@ class KeyCopier(nn.Module):
         history = input_ids_BT if cache.history is None else torch.cat([cache.history, input_ids_BT], dim=1)
         assert history.shape[1] <= cache.max_length
         cache.history = history
-        logits_BTV = torch.zeros(*input_ids_BT.shape, self.tokenizer.vocab_size)
+        logits_BTV = torch.zeros(*input_ids_BT.shape, self.tokenizer.vocab_size + self.padding)
+        logits_BTV[..., self.tokenizer.vocab_size:] = 2.0  # padded ids (make_vocab_size_divisible_by) rank first
         for row, ids in enumerate(history.tolist()):
             prompt_text = self.tokenizer.decode(ids[: cache.max_length - 64])
             key = int(re.search(r"pass key is (\d{5})", prompt_text).group(1)) + self.offset
@@ -114,9 +115,11 @@ class KeyCopier(nn.Module):
         return logits_BTV[:, logits_from:]
 
 
-@pytest.mark.parametrize("offset,expected_accuracy", [(0, 1.0), (1, 0.0)])
-def test_run_passkey_scores_generated_answers(tokenizer: Tokenizer, offset: int, expected_accuracy: float) -> None:
-    cases = run_passkey(KeyCopier(tokenizer, offset), tokenizer, length=300, num_cases=6, seed=3, batch_size=4)
+@pytest.mark.parametrize("offset,expected_accuracy,padding", [(0, 1.0, 0), (1, 0.0, 0), (0, 1.0, 37)])
+def test_run_passkey_scores_generated_answers(tokenizer: Tokenizer, offset: int, expected_accuracy: float,
+                                              padding: int) -> None:
+    """With a padded vocabulary whose padding ids score highest, only the tokenizer's ids are generated."""
+    cases = run_passkey(KeyCopier(tokenizer, offset, padding), tokenizer, length=300, num_cases=6, seed=3, batch_size=4)
     assert [(c.key, c.depth) for c in cases] == draw_cases(300, 6, seed=3)
     assert all(c.output.startswith(f" {c.key + offset}. Remember it.") for c in cases)
     summary = summarize_cases(cases, train_length=150)

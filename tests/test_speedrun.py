@@ -91,3 +91,64 @@ def test_sigterm_reaches_train_py_which_saves_and_the_rerun_resumes(tmp_path: Pa
     assert 3 <= saved_step < 100000
     log = (out / "logs/train_rope.log").read_text()
     assert "SIGTERM" in log
+
+
+@pytest.fixture(scope="module")
+def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_data_bundle import make_tiny_bundle
+
+    return make_tiny_bundle(tmp_path_factory.mktemp("speedrun_bundle"))
+
+
+def test_dry_run_of_every_phase_from_a_bundle_on_a_bare_node(tiny_bundle: Path, tmp_path: Path) -> None:
+    """Two calls (--only data,probe,train; then eval,report), as a run split under a time limit would be,
+    in processes where wandb, datasets, zstandard and matplotlib cannot be imported."""
+    blocker = tmp_path / "bare_node"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text(BARE_NODE_BLOCKER)
+    env = {**os.environ, "TQDM_DISABLE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(blocker), str(REPO), os.environ.get("PYTHONPATH")]))}
+    probe = subprocess.run([sys.executable, "-c", "import matplotlib"], env=env, capture_output=True, text=True)
+    assert probe.returncode != 0 and "a bare node" in probe.stderr  # the blocker is in force
+    out = tmp_path / "out"
+    base = [sys.executable, str(REPO / "tools/reproduce.py"), "--profile", "gpu-speedrun", "--dry-run",
+            "--bundle", str(tiny_bundle), "--out", str(out), "--probe-steps", "3", "--quiet"]
+
+    first = subprocess.run([*base, "--only", "data,probe,train"], env=env, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert not (out / "results.json").exists()
+    second = subprocess.run([*base, "--only", "eval,report"], env=env, capture_output=True, text=True, timeout=900)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "matplotlib is not installed" in second.stdout + second.stderr
+
+    results = json.loads((out / "results.json").read_text())
+    schemes = ["alibi", "rope", "coca_slack", "coca_strict"]
+    assert list(results["training"]) == schemes
+    assert all(info["steps"] == 3 and info["action"] == "skipped (--only)" for info in results["training"].values())
+    probes = results["probe"]["probes"]
+    assert set(probes) == set(schemes) and all(row["tokens_per_sec"] > 0 for row in probes.values())
+    assert results["probe"]["plan"]["tokens_per_step"] == 4 * 32
+    scalings = ["none", "dynamic:2", "dynamic:4", "dynamic:8"]
+    cells = {(row["model"], row["scaling"], row["window"]) for row in results["perplexity"]}
+    assert cells == {(s, c, w) for s in schemes for c in scalings for w in (32, 64, 128) if s != "alibi" or c == "none"}
+    assert {row["length"] for row in results["passkey"]} == {256, 512}
+    assert results["plots"] == [] and not list(out.glob("*.png"))
+    phases = results["wall_seconds_all_invocations"]
+    assert {"data", "probe", "report", *(f"train {s}" for s in schemes), *(f"perplexity {s}" for s in schemes)} <= set(phases)
+    mix = (out / "data/mix.yml").read_text()
+    assert mix.count("type: megatron") == 2 and str(out / "data/bundle") in mix
+    tables = (out / "tables.md").read_text()
+    assert "# CoCA speedrun (dry run at toy size)" in tables and "## Probe and budget" in tables
+
+
+def test_a_corrupted_bundle_stops_the_run_in_one_line(tiny_bundle: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    damaged = tmp_path / "damaged.tar.xz"
+    data = bytearray(tiny_bundle.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    argv = ["--profile", "gpu-speedrun", "--dry-run", "--bundle", str(damaged), "--out", str(tmp_path / "out"),
+            "--quiet"]
+    assert reproduce.main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and str(damaged) in error

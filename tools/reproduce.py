@@ -33,7 +33,7 @@ PROFILE_DEFAULTS: dict[str, dict[str, object]] = {
     "gpu-speedrun": {"windows": [512 * 2**i for i in range(6)], "passkey_lengths": [512 * 2**i for i in range(5)],
                      "passkey_cases": 50, "max_doc_tokens": 16384, "max_docs": 20, "batch_size": 8, "threads": 4},
     # the speedrun's phases at toy size on CPU (a 32-token model: windows 1x ... 4x)
-    "gpu-speedrun dry run": {"windows": [32, 64, 128], "passkey_lengths": [128, 256], "passkey_cases": 1,
+    "gpu-speedrun dry run": {"windows": [32, 64, 128], "passkey_lengths": [256, 512], "passkey_cases": 1,
                              "max_doc_tokens": 128, "max_docs": 2, "batch_size": 4, "threads": 1},
 }
 

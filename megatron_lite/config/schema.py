@@ -18,6 +18,7 @@ CocaConstraint = Literal["slack", "strict"]
 ScalingType = Literal["none", "linear", "ntk", "dynamic", "yarn"]
 AttentionBackend = Literal["sdpa", "flash", "flex", "chunked", "reference"]
 SourceType = Literal["hf", "jsonl", "text", "parquet", "python_docs", "python_code", "megatron"]
+TextEncoding = Literal["utf-8", "auto"]
 
 SCHEMES: tuple[str, ...] = typing.get_args(SchemeName)
 ROTARY_SCHEMES: tuple[str, ...] = ("rope", "coca")
@@ -405,6 +406,11 @@ class SourceConfig:
     tokenizer: str | None = _doc(
         "megatron: the SentencePiece model the shards were tokenised with; must be the run's "
         "data.tokenizer.model (the same bytes).", default=None)
+    encoding: TextEncoding = _doc(
+        "text: how files are decoded. utf-8: invalid UTF-8 is a bad record (non_utf8, skipped and counted); "
+        "auto: UTF-8 when valid, else the charset a Project Gutenberg header declares (\"Character set "
+        "encoding: ISO-8859-1\"; ISO-8859-1 is read as its superset cp1252, as browsers do), else cp1252, "
+        "else latin-1 (never fails). Other types read UTF-8 only.", default="utf-8")
 
 
 @dataclass

@@ -8,12 +8,14 @@ Heavy libraries (datasets, pyarrow) are imported by the readers that need them.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import glob
 import gzip
 import hashlib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -79,10 +81,12 @@ def megatron_prefixes(path: str, name: str) -> list[str]:
 
 def source_settings(source: SourceConfig) -> dict[str, Any]:
     """The source's settings as a dict for cache keys; ``tokenizer`` (added later, megatron only) is left
-    out when unset so that caches keyed before it existed stay valid."""
+    out when unset, and ``encoding`` when it is the default, so that caches keyed before they existed stay valid."""
     settings = dataclasses.asdict(source)
     if settings.get("tokenizer") is None:
         settings.pop("tokenizer", None)
+    if settings.get("encoding") == "utf-8":  # likewise the default encoding (added later)
+        settings.pop("encoding", None)
     return settings
 
 
@@ -122,10 +126,49 @@ def read_jsonl(source: SourceConfig, name: str) -> Iterator[Record]:
                     yield make_record(record[field], location, field)
 
 
+# "Character set encoding: ISO-8859-1" in a Project Gutenberg header (the first few KB of the file).
+_GUTENBERG_CHARSET = re.compile(rb"^\s*Character set encoding:\s*([A-Za-z0-9_.:\-]+)", re.IGNORECASE | re.MULTILINE)
+GUTENBERG_HEADER_BYTES = 16384
+# Latin-1 files in the wild hold Windows "smart quotes" (0x80-0x9F): read them as cp1252, as browsers do.
+_SUPERSET = {"iso8859-1": "cp1252", "latin-1": "cp1252", "ascii": "cp1252"}
+
+
+def declared_charset(raw: bytes) -> str | None:
+    """The Python codec named by a Project Gutenberg header's charset line, or None (absent/unknown)."""
+    match = _GUTENBERG_CHARSET.search(raw[:GUTENBERG_HEADER_BYTES])
+    if not match:
+        return None
+    try:
+        info = codecs.lookup(match.group(1).decode("ascii"))
+    except LookupError:
+        return None
+    return info.name if getattr(info, "_is_text_encoding", True) else None  # not base64, rot13, ...
+
+
+def decode_auto(raw: bytes) -> str:
+    """``encoding: auto``: UTF-8 if valid, else the declared Gutenberg charset, else cp1252, else latin-1."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    declared = declared_charset(raw)
+    candidates = [_SUPERSET.get(declared, declared)] if declared and declared != "utf-8" else []
+    if declared in _SUPERSET:
+        candidates.append(declared)  # bytes undefined in cp1252 (0x81, 0x8D, ...): the declared codec itself
+    for encoding in candidates + ["cp1252"]:
+        try:
+            return raw.decode(encoding)
+        except UnicodeDecodeError:
+            continue
+    return raw.decode("latin-1")  # every byte is a character: never fails
+
+
 def read_text(source: SourceConfig, name: str) -> Iterator[Record]:
-    """Plain-text files, one document per file (directories: every ``*.txt`` below them)."""
+    """Plain-text files, one document per file (directories: every ``*.txt`` below them); decoded as UTF-8
+    (``encoding: utf-8``, invalid -> a non_utf8 bad record) or by :func:`decode_auto`."""
     for path in expand_paths(str(source.path), SUFFIXES["text"], name):
-        yield make_record(path.read_bytes(), str(path))
+        raw = path.read_bytes()
+        yield make_record(decode_auto(raw) if source.encoding == "auto" else raw, str(path))
 
 
 def read_parquet(source: SourceConfig, name: str) -> Iterator[Record]:

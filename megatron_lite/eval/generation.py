@@ -39,8 +39,12 @@ def sample_next_token(logits_BV: torch.Tensor, temperature: float = 0.0, top_k: 
 @torch.no_grad()
 def generate(model: GPT, prompt_ids_BT: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, eos_token_id: int | None = None,
-             generator: torch.Generator | None = None) -> torch.Tensor:
-    """Prompt + up to max_new_tokens ids (B, T + new); rows that emit eos keep emitting eos."""
+             generator: torch.Generator | None = None, vocab_limit: int | None = None) -> torch.Tensor:
+    """Prompt + up to max_new_tokens ids (B, T + new); rows that emit eos keep emitting eos.
+
+    ``vocab_limit``: only ids below it are generated — the tokenizer's vocabulary, since the model's is
+    padded (make_vocab_size_divisible_by) and an undertrained model may rank a padding id first.
+    """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
     was_training = model.training
@@ -51,7 +55,8 @@ def generate(model: GPT, prompt_ids_BT: torch.Tensor, max_new_tokens: int, tempe
         finished = torch.zeros(prompt_ids_BT.shape[0], dtype=torch.bool, device=prompt_ids_BT.device)
         next_input = prompt_ids_BT
         for _ in range(max_new_tokens):
-            logits_BV = model(next_input, cache=cache, logits_from=next_input.shape[1] - 1)[:, -1]  # (B, V)
+            logits_BV = model(next_input, cache=cache, logits_from=next_input.shape[1] - 1)  # (B, T', V)
+            logits_BV = logits_BV[:, -1, :vocab_limit]  # (B, V) or (B, vocab_limit)
             next_token = sample_next_token(logits_BV, temperature, top_k, top_p, generator)
             if eos_token_id is not None:
                 next_token = next_token.masked_fill(finished, eos_token_id)
@@ -82,7 +87,8 @@ def generate_text(model: GPT, tokenizer: Any, prompt: str, max_new_tokens: int, 
     if seed is not None:
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
-    out_BT = generate(model, ids_BT, max_new_tokens, temperature, top_k, top_p, tokenizer.eod_id, generator)
+    out_BT = generate(model, ids_BT, max_new_tokens, temperature, top_k, top_p, tokenizer.eod_id, generator,
+                      vocab_limit=getattr(tokenizer, "vocab_size", None))
     texts = []
     for row in out_BT[:, len(prompt_ids) :].tolist():
         if tokenizer.eod_id in row:

@@ -137,7 +137,8 @@ def run_passkey(
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start : start + batch_size]
         ids_BT = torch.tensor([prompt.token_ids for prompt in batch], dtype=torch.long, device=device)
-        out_BT = generate(model, ids_BT, NUM_NEW_TOKENS, temperature=0.0, eos_token_id=tokenizer.eod_id)
+        out_BT = generate(model, ids_BT, NUM_NEW_TOKENS, temperature=0.0, eos_token_id=tokenizer.eod_id,
+                          vocab_limit=tokenizer.vocab_size)
         for prompt, row in zip(batch, out_BT[:, length:].tolist()):
             output = tokenizer.decode(row)
             answer = first_five_digit_number(output)
