@@ -16,6 +16,8 @@
 # "devel" carries nvcc, which DeepSpeed needs to JIT-compile its CUDA ops (FusedAdam, ...) and flash-attn to build.
 # Its torch version must equal the torch pin in constraints.txt (tests/test_docker.py checks the tag, the build
 # checks the installed torch). For an older driver: --build-arg BASE_IMAGE=pytorch/pytorch:2.13.0-cuda12.6-cudnn9-devel
+# Any base with `python` (3.10+), pip and the pinned torch works: docker/build_local.py builds a CPU one from Debian
+# (torch from a wheel) without Docker Hub, and CI builds and runs this Dockerfile on it (tests/test_image.py).
 ARG BASE_IMAGE=pytorch/pytorch:2.13.0-cuda13.0-cudnn9-devel
 FROM ${BASE_IMAGE}
 

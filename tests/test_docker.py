@@ -286,7 +286,7 @@ def test_dockerignore_keeps_data_runs_and_caches_out() -> None:
 
 def readme_test_command() -> str:
     lines = (REPO / "README.md").read_text().splitlines()
-    index = lines.index("# tests (CPU, no network)")
+    index = next(number for number, line in enumerate(lines) if line.startswith("# tests ("))
     return lines[index + 1].strip()
 
 
@@ -294,8 +294,9 @@ def ci_command() -> str:
     lines = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
     commands = [line for line in lines if line and not line.startswith("#")
                 and not line.startswith(("set ", "cd ", "#!"))]
-    assert len(commands) == 1, commands
-    return commands[0]
+    # before it only the installer of the image test's tools (podman, buildah, mmdebstrap, debootstrap)
+    assert commands[:-1] == ["bash docker/install_image_tools.sh"], commands
+    return commands[-1]
 
 
 def torch_pin_of(command: str) -> str:
@@ -380,7 +381,8 @@ DOCKER_VALUE_OPTIONS = {"-v", "--volume", "-e", "--env", "--name", "--network", 
                         "--shm-size", "--ulimit", "-w", "--workdir", "--user", "-u", "--env-file", "--mount",
                         "-p", "--publish"}
 DOCKER_FLAGS = {"--rm", "-d", "--detach", "-i", "-t", "-it", "--init", "--privileged"}
-SHELL_COMMANDS = {"mkdir", "cd", "ssh-keygen", "cp", "printf", "export", "echo", "cat", "chmod"}
+SHELL_COMMANDS = {"mkdir", "cd", "ssh-keygen", "cp", "printf", "export", "echo", "cat", "chmod", "chown", "apt-get",
+                  "pip"}
 
 
 @dataclass
@@ -501,6 +503,20 @@ def check_deepspeed(args: list[str], found: Checked) -> None:
     found.deepspeed.append({"launcher": launcher, "config": config})
 
 
+def check_build_local(args: list[str], found: Checked) -> None:
+    """docker/build_local.py [its flags] [-- COMMAND run inside the image]: flags against its --help, the
+    binds against the image's volumes, the command like any other."""
+    split = args.index("--") if "--" in args else len(args)
+    options, command = args[:split], args[split + 1:]
+    check_script("docker/build_local.py", options, found)
+    for k, token in enumerate(options):
+        if token in ("-v", "--volume"):
+            host, container = options[k + 1].split(":")[:2]
+            assert host.startswith(("$PWD/", "/")) and container in VOLUMES, options[k + 1]
+    if command:
+        check_command(command, found)
+
+
 def check_command(tokens: list[str], found: Checked) -> None:
     while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", tokens[0]):
         tokens = tokens[1:]
@@ -509,6 +525,12 @@ def check_command(tokens: list[str], found: Checked) -> None:
         check_docker(tokens, found)
     elif program == "deepspeed":
         check_deepspeed(tokens[1:], found)
+    elif program == "python" and tokens[1] == "docker/build_local.py":
+        check_build_local(tokens[2:], found)
+    elif program == "python" and tokens[2:] == ["--help"]:
+        assert (REPO / tokens[1]).is_file() and help_flags(tokens[1]), tokens
+    elif program == "python" and tokens[1] == "-m":
+        assert tokens[2] == "pytest" and all((REPO / t).exists() for t in tokens[3:] if t.startswith("tests/")), tokens
     elif program == "python":
         check_script(tokens[1], tokens[2:], found)
     elif program == "docker/sshd.sh":
