@@ -15,6 +15,7 @@ import json
 import math
 import shutil
 import statistics
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -97,9 +98,8 @@ def _steady_tokens_per_second(metrics_path: Path) -> float:
 
 
 def probe_scheme(settings: ReproSettings, scheme: str, config: Config) -> dict[str, Any]:
-    """``probe_steps`` steps of one scheme from scratch; its steady tokens/s and start-up seconds."""
-    import time
-
+    """``probe_steps`` steps of one scheme from scratch; its steady tokens/s and start-up seconds (which
+    include train.py's final save: an upper bound, as the budget wants)."""
     from megatron_lite.repro.training import TrainingFailed, run_logged, train_command
 
     run = settings.out_dir / "probe" / scheme
