@@ -82,7 +82,11 @@ class PhaseClock:
         self.history.append({"started": datetime.datetime.now().isoformat(timespec="seconds"), "phases": self.current})
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str, timed: bool = True) -> Iterator[None]:
+        """Time the block as ``name``; ``timed=False`` (a phase skipped by --only) records nothing."""
+        if not timed:
+            yield
+            return
         start = time.perf_counter()
         try:
             yield
@@ -105,15 +109,17 @@ class PhaseClock:
 # The whole reproduction
 
 
-def _prepare_profile(settings: ReproSettings) -> ReproSettings:
-    """The speedrun: its bundle unpacked and verified, the bundle's tokenizer, vocabulary and held-out books,
-    evaluation on CUDA in bf16 where there is one (not in a dry run)."""
+def _prepare_profile(settings: ReproSettings) -> tuple[ReproSettings, dict[str, Any]]:
+    """The settings and the mix file's content. The speedrun: its bundle unpacked and verified, the bundle's
+    tokenizer, vocabulary and held-out books, evaluation on CUDA in bf16 where there is one (not in a dry run)."""
     if settings.profile != "gpu-speedrun":
-        return settings
+        return settings, mix_document(settings)
     bundle = speedrun.unpack(settings)
     on_cuda = torch.cuda.is_available() and not settings.dry_run
-    return replace(settings, eval_books=bundle.eval_books, profile_overrides=speedrun.profile_overrides(settings, bundle),
-                   eval_device="cuda" if on_cuda else "cpu", eval_dtype="bf16" if on_cuda else "fp32")
+    return (replace(settings, eval_books=bundle.eval_books,
+                    profile_overrides=speedrun.profile_overrides(settings, bundle),
+                    eval_device="cuda" if on_cuda else "cpu", eval_dtype="bf16" if on_cuda else "fp32"),
+            speedrun.bundle_mix_document(bundle))
 
 
 def _require(settings: ReproSettings, phase: str, done: bool, what: str) -> None:
@@ -130,8 +136,8 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
     settings = absolute(settings)
     validate_settings(settings)
     clock = PhaseClock(settings.out_dir / "wall_times.json", settings)
-    with clock.phase("data") if "data" in settings.phases else _no_phase():
-        settings = _prepare_profile(settings)
+    with clock.phase("data", timed="data" in settings.phases):
+        settings, mix = _prepare_profile(settings)
     configs = load_scheme_configs(settings)
     first = configs[settings.schemes[0]]
     train_length = first.model.seq_length
@@ -142,12 +148,11 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
         with clock.phase("data"):
             from megatron_lite.data.preprocess import prepare_data
 
-            write_mix(settings, speedrun.bundle_mix_document(settings) if settings.profile == "gpu-speedrun"
-                      else mix_document(settings))
+            write_mix(settings, mix)
             prepare_data(first.data, first.model.vocab_size, progress=settings.progress)
     if settings.profile == "gpu-speedrun":
         _require(settings, "data", (settings.out_dir / "data" / "mix.yml").is_file(), "no OUT/data/mix.yml")
-        with clock.phase("probe") if "probe" in settings.phases else _no_phase():
+        with clock.phase("probe", timed="probe" in settings.phases):
             train_iters = speedrun.planned_iters(settings, configs)
         extra_env = speedrun.environment(settings)
     else:
@@ -176,10 +181,10 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
     evaluations: dict[str, dict[str, Any]] = {}
     for scheme in settings.schemes:
         # the evaluation caches every cell, so a report-only call re-reads results without recomputing
-        with clock.phase(f"perplexity {scheme}") if "eval" in settings.phases else _no_phase():
+        with clock.phase(f"perplexity {scheme}", timed="eval" in settings.phases):
             evaluations[f"{scheme} perplexity"] = _evaluate(settings, scheme, "perplexity", stride)
         if settings.passkey_lengths:
-            with clock.phase(f"passkey {scheme}") if "eval" in settings.phases else _no_phase():
+            with clock.phase(f"passkey {scheme}", timed="eval" in settings.phases):
                 evaluations[f"{scheme} passkey"] = _evaluate(settings, scheme, "passkey", stride)
     if "report" not in settings.phases:
         log(settings, f"stopping after {', '.join(settings.phases)} (--only); evaluation results are cached")
@@ -203,8 +208,3 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
     log(settings, f"wrote {settings.out_dir / 'results.json'}, {settings.out_dir / 'tables.md'}, "
                   + ", ".join(str(settings.out_dir / name) for name in results["plots"]))
     return results
-
-
-@contextmanager
-def _no_phase() -> Iterator[None]:
-    yield

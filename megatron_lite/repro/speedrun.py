@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +21,7 @@ from typing import Any
 
 from megatron_lite.config import Config
 from megatron_lite.files import write_text_atomic
+from megatron_lite.repro.bundle import UnpackedBundle, unpack_bundle
 from megatron_lite.repro.settings import CODE_WEIGHT, TEXT_WEIGHT, ReproSettings, SpeedrunBudget, log
 
 DRY_RUN_MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2",
@@ -36,19 +36,14 @@ def bundle_dir(settings: ReproSettings) -> Path:
     return settings.out_dir / "data" / "bundle"
 
 
-def unpack(settings: ReproSettings) -> Any:
+def unpack(settings: ReproSettings) -> UnpackedBundle:
     """The bundle, unpacked under OUT/data/bundle and verified (a no-op when it already is)."""
-    from megatron_lite.repro.bundle import unpack_bundle
-
     assert settings.bundle is not None
     return unpack_bundle(settings.bundle, bundle_dir(settings))
 
 
-def bundle_mix_document(settings: ReproSettings) -> dict[str, Any]:
-    from megatron_lite.repro.bundle import unpack_bundle
-
-    assert settings.bundle is not None
-    bundle = unpack_bundle(settings.bundle, bundle_dir(settings))
+def bundle_mix_document(bundle: UnpackedBundle) -> dict[str, Any]:
+    """The mix: the bundle's two shard directories read in place with its tokenizer."""
     tokenizer = str(bundle.tokenizer)
     return {
         "description": "CoCA speedrun: the data bundle's pre-tokenised Gutenberg books (text) and Python sources "
@@ -62,7 +57,7 @@ def bundle_mix_document(settings: ReproSettings) -> dict[str, Any]:
     }
 
 
-def profile_overrides(settings: ReproSettings, bundle: Any) -> list[str]:
+def profile_overrides(settings: ReproSettings, bundle: UnpackedBundle) -> list[str]:
     """The bundle's tokenizer and vocabulary for every model; the toy model in a dry run."""
     overrides = [f"data.tokenizer.model={json.dumps(str(bundle.tokenizer))}", f"model.vocab_size={bundle.vocab_size}"]
     return overrides + (DRY_RUN_MODEL if settings.dry_run else [])
@@ -81,26 +76,12 @@ def probe_path(settings: ReproSettings) -> Path:
     return settings.out_dir / "probe.json"
 
 
-def tokens_per_step(config: Config) -> int:
-    train = config.train
-    return train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * config.model.seq_length
-
-
-def _steady_tokens_per_second(metrics_path: Path) -> float:
-    """Median tokens/s of the logged intervals after the first (which holds the compile and warm-up)."""
-    from megatron_lite.training.metrics import read_metrics
-
-    rates = [row["tokens_per_sec"] for row in read_metrics(metrics_path) if row.get("tokens_per_sec")]
-    steady = rates[1:] or rates
-    if not steady:
-        raise ValueError(f"{metrics_path}: the probe logged no throughput")
-    return float(statistics.median(steady))
-
-
 def probe_scheme(settings: ReproSettings, scheme: str, config: Config) -> dict[str, Any]:
     """``probe_steps`` steps of one scheme from scratch; its steady tokens/s and start-up seconds (which
     include train.py's final save: an upper bound, as the budget wants)."""
-    from megatron_lite.repro.training import TrainingFailed, run_logged, train_command
+    from megatron_lite.repro.training import (TrainingFailed, run_logged, steady_tokens_per_second, tokens_per_step,
+                                              train_command)
+    from megatron_lite.training.metrics import read_metrics
 
     run = settings.out_dir / "probe" / scheme
     shutil.rmtree(run, ignore_errors=True)  # an interrupted probe starts over: it must time a cold start
@@ -114,7 +95,9 @@ def probe_scheme(settings: ReproSettings, scheme: str, config: Config) -> dict[s
     wall = time.perf_counter() - start
     if exit_code != 0:
         raise TrainingFailed(f"the probe of {scheme} (train.py) exited with code {exit_code} (log {log_path})")
-    rate = _steady_tokens_per_second(run / "metrics.jsonl")
+    rate = steady_tokens_per_second(read_metrics(run / "metrics.jsonl"))
+    if rate is None:
+        raise TrainingFailed(f"the probe of {scheme} logged no throughput ({run / 'metrics.jsonl'})")
     training_seconds = steps * tokens_per_step(config) / rate
     shutil.rmtree(run / "checkpoints", ignore_errors=True)  # only the timing is kept
     return {"steps": steps, "tokens_per_sec": round(rate, 1), "wall_seconds": round(wall, 1),
@@ -150,9 +133,10 @@ def planned_iters(settings: ReproSettings, configs: dict[str, Config]) -> int:
                 log(settings, f"probe {scheme}: {settings.budget.probe_steps} steps")
                 record["probes"][scheme] = probe_scheme(settings, scheme, configs[scheme])
                 write_text_atomic(path, json.dumps(record, indent=1) + "\n")
-        first = configs[settings.schemes[0]]
-        record["plan"] = plan_train_iters(settings.budget, record["probes"], tokens_per_step(first),
-                                          len(settings.schemes))
+        from megatron_lite.repro.training import tokens_per_step
+
+        record["plan"] = plan_train_iters(settings.budget, record["probes"],
+                                          tokens_per_step(configs[settings.schemes[0]]), len(settings.schemes))
         write_text_atomic(path, json.dumps(record, indent=1) + "\n")
     plan = record["plan"]
     log(settings, f"probe: slowest {plan['slowest_tokens_per_sec']:,.0f} tokens/s, start-up {plan['startup_seconds']} s"

@@ -116,6 +116,18 @@ def _log_tail(path: Path, num_lines: int = 15) -> str:
     return "\n".join(lines[-num_lines:])
 
 
+def tokens_per_step(config: Config) -> int:
+    """Tokens of one optimizer step of a single-process run (the reproduction's)."""
+    train = config.train
+    return train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * config.model.seq_length
+
+
+def steady_tokens_per_second(rows: Sequence[dict[str, Any]]) -> float | None:
+    """Median tokens/s of the logged intervals after the first (which holds the compile and warm-up)."""
+    rates = [row["tokens_per_sec"] for row in rows if row.get("tokens_per_sec")]
+    return float(statistics.median(rates[1:] or rates)) if rates else None
+
+
 def training_summary(directory: Path, config: Config, action: str) -> dict[str, Any]:
     """What the run reports about itself: steps, tokens, the last training and validation loss."""
     from megatron_lite.model.params import counted_parameter_count
@@ -126,16 +138,14 @@ def training_summary(directory: Path, config: Config, action: str) -> dict[str, 
     rows = read_metrics(metrics_path) if metrics_path.is_file() else []
     losses = [row for row in rows if row.get("loss") is not None]
     validation = [row for row in rows if row.get("val_loss") is not None]
-    rates = [row["tokens_per_sec"] for row in rows if row.get("tokens_per_sec")]
-    train = config.train
-    tokens_per_step = train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * config.model.seq_length
+    rate = steady_tokens_per_second(rows)
     return {"action": action, "display_name": config.model.position.display_name,
-            "rotary": config.model.uses_rotary, "steps": status.step, "tokens": status.step * tokens_per_step,
+            "rotary": config.model.uses_rotary, "steps": status.step, "tokens": status.step * tokens_per_step(config),
             "parameters": counted_parameter_count(config.model),
             "final_train_loss": losses[-1]["loss"] if losses else None,
             "final_val_loss": validation[-1]["val_loss"] if validation else None,
             "final_val_ppl": validation[-1].get("val_ppl") if validation else None,
-            "tokens_per_sec": round(statistics.median(rates[1:] or rates), 1) if rates else None,
+            "tokens_per_sec": None if rate is None else round(rate, 1),
             "checkpoint": str(status.checkpoint) if status.checkpoint else None}
 
 

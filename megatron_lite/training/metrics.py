@@ -187,11 +187,11 @@ def plot_loss_curve(metrics_path: Path, out_path: Path, title: str) -> Path | No
     valid = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
     if not train and not valid:
         return None
-    try:
-        import matplotlib
-    except ImportError:  # a bare GPU node (docs/reproduction.md): the numbers are in metrics.jsonl
-        notice(f"matplotlib is not installed: no {out_path.name} (the losses are in {metrics_path.name})")
+    from megatron_lite.eval.report import plots_available
+
+    if not plots_available():  # a bare GPU node (docs/reproduction.md): the losses are in metrics.jsonl
         return None
+    import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
