@@ -53,6 +53,19 @@ def test_training_forward_compiles_as_one_graph_and_equals_eager(scheme: str, co
     assert_same_step(model, lambda fn: torch.compile(fn, fullgraph=True, backend="aot_eager"), 1e-5)
 
 
+LLAMA_SCHEMES = [("alibi", "slack"), ("rope", "slack"), ("coca", "slack"), ("coca", "strict")]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("scheme", "constraint"), LLAMA_SCHEMES, ids=[f"{s}_{c}" if s == "coca" else s for s, c in LLAMA_SCHEMES])
+def test_llama_gqa_compiles_as_one_graph_and_equals_eager(scheme: str, constraint: str, backend: str) -> None:
+    """The llama family (RMSNorm, SwiGLU, 4 query heads on 2 key/value heads), checkpointed."""
+    torch._dynamo.reset()
+    model = GPT(tiny_config(scheme, constraint, backend, checkpoint_activations=True, architecture="llama",
+                            num_key_value_heads=2, intermediate_size=96).model).train()
+    assert_same_step(model, lambda fn: torch.compile(fn, fullgraph=True, backend="aot_eager"), 1e-5)
+
+
 def test_inductor_compiles_coca_slack() -> None:
     """One real (inductor) compile: generated kernels, not only the traced graph."""
     torch._dynamo.reset()

@@ -24,6 +24,7 @@ from torch import nn
 
 from megatron_lite.config import BACKENDS, ModelConfig
 from megatron_lite.model import flex
+from megatron_lite.model.gqa import is_grouped, repeat_kv
 from megatron_lite.model.kv_cache import LayerCache
 from megatron_lite.model.position import MaskMode, PositionContext, PositionScheme, mask_mode
 
@@ -56,14 +57,18 @@ def sdpa_attention(
     scale: float,
     dropout_p: float = 0.0,
 ) -> torch.Tensor:
+    """k/v may have fewer (grouped-query) heads than q: SDPA's ``enable_gqa`` pairs them without a copy."""
+    gqa = is_grouped(q_BHTD, k_BHSD)
     if slopes_H is None and mode == "causal":  # the kernel's own causal path (no mask tensor)
-        return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, is_causal=True, scale=scale, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, is_causal=True, scale=scale, dropout_p=dropout_p,
+                                              enable_gqa=gqa)
     if slopes_H is None and mode == "decode":  # every cached key precedes the one query
-        return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, scale=scale, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, scale=scale, dropout_p=dropout_p, enable_gqa=gqa)
     mask = attention_mask(q_positions, k_positions, slopes_H, q_BHTD.dtype)
     if mask.dim() == 3:
         mask = mask[None]  # (1, H, T, S): the fused CPU kernel takes 2-D or 4-D masks only
-    return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask, scale=scale, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask, scale=scale, dropout_p=dropout_p,
+                                          enable_gqa=gqa)
 
 
 def chunked_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, q_positions: torch.Tensor,
@@ -137,18 +142,57 @@ def check_backend_available(backend: str) -> None:
         )
 
 
-class SelfAttention(nn.Module):
-    """GPT-NeoX attention: fused per-head [q | k-or-t | v] projection, position transform, kernel."""
+class AttentionKernel(nn.Module):
+    """What every attention block shares: position transform, KV cache and kernel dispatch. Subclasses own
+    the projections; the kernel takes q (B, H, T, D) and k/v with H or fewer (grouped-query) heads."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.kv_heads
         self.head_dim = config.head_dim
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.backend = config.attention.backend
         self.chunk_size = config.attention.chunk_size
         self.dropout_p = config.attention_dropout
         check_backend_available(self.backend)
+
+    def attend(self, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor, scheme: PositionScheme,
+               ctx: PositionContext, cache: LayerCache | None) -> torch.Tensor:
+        """(B, H, T, D) attention output from raw projections (k_BKTD: the K or CoCA T slot)."""
+        slopes_H = scheme.slopes()
+        dropout_p = self.dropout_p if self.training else 0.0
+        if self.backend == "reference":
+            # The paper path needs raw q and raw k/t; the cache holds raw keys here.
+            keys_BKSD, v_BKSD, k_positions = k_BKTD, v_BKTD, ctx.positions
+            if cache is not None:
+                keys_BKSD, v_BKSD, k_positions = cache.append(k_BKTD, v_BKTD, ctx.positions)
+            keys_BHSD, v_BHSD = repeat_kv(keys_BKSD, self.num_heads), repeat_kv(v_BKSD, self.num_heads)
+            scores = scheme.reference_scores(q_BHTD, keys_BHSD, ctx.tables, ctx.tables_at(k_positions))
+            return reference_attention(scores, v_BHSD, ctx.positions, k_positions, slopes_H, self.scale,
+                                       ctx.document_ids)
+        q_BHTD = scheme.transform_query(q_BHTD, ctx.tables)
+        keys_BKSD = scheme.transform_key(k_BKTD, ctx.tables)
+        v_BKSD, k_positions = v_BKTD, ctx.positions
+        if cache is not None:
+            keys_BKSD, v_BKSD, k_positions = cache.append(keys_BKSD, v_BKTD, ctx.positions)
+        if self.backend == "sdpa":
+            return sdpa_attention(q_BHTD, keys_BKSD, v_BKSD, ctx.mask_mode, ctx.positions, k_positions, slopes_H,
+                                  self.scale, dropout_p)
+        if self.backend == "flex":
+            return flex.flex_attention_forward(q_BHTD, keys_BKSD, v_BKSD, ctx.block_mask, ctx.positions, k_positions,
+                                               slopes_H, self.scale)
+        if self.backend == "chunked":
+            return chunked_attention(q_BHTD, keys_BKSD, v_BKSD, ctx.positions, k_positions, slopes_H, self.scale,
+                                     self.chunk_size, dropout_p)
+        return flash_attention(q_BHTD, keys_BKSD, v_BKSD, slopes_H, self.scale, dropout_p)
+
+
+class SelfAttention(AttentionKernel):
+    """GPT-NeoX attention: fused per-head [q | k-or-t | v] projection with biases, output ``dense``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
         self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
 
@@ -158,35 +202,28 @@ class SelfAttention(nn.Module):
         batch, length, _ = x_BTC.shape
         qkv = self.query_key_value(x_BTC).view(batch, length, self.num_heads, 3 * self.head_dim)
         q_BHTD, k_BHTD, v_BHTD = qkv.transpose(1, 2).split(self.head_dim, dim=-1)
-        slopes_H = scheme.slopes()
-        dropout_p = self.dropout_p if self.training else 0.0
+        out_BHTD = self.attend(q_BHTD, k_BHTD, v_BHTD, scheme, ctx, cache)
+        return self.dense(out_BHTD.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
 
-        if self.backend == "reference":
-            # The paper path needs raw q and raw k/t; the cache holds raw keys here.
-            keys_BHSD, v_BHSD, k_positions = k_BHTD, v_BHTD, ctx.positions
-            if cache is not None:
-                keys_BHSD, v_BHSD, k_positions = cache.append(k_BHTD, v_BHTD, ctx.positions)
-            scores = scheme.reference_scores(q_BHTD, keys_BHSD, ctx.tables, ctx.tables_at(k_positions))
-            out_BHTD = reference_attention(scores, v_BHSD, ctx.positions, k_positions, slopes_H, self.scale,
-                                           ctx.document_ids)
-        else:
-            q_BHTD = scheme.transform_query(q_BHTD, ctx.tables)
-            keys_BHSD = scheme.transform_key(k_BHTD, ctx.tables)
-            v_BHSD, k_positions = v_BHTD, ctx.positions
-            if cache is not None:
-                keys_BHSD, v_BHSD, k_positions = cache.append(keys_BHSD, v_BHTD, ctx.positions)
-            if self.backend == "sdpa":
-                out_BHTD = sdpa_attention(q_BHTD, keys_BHSD, v_BHSD, ctx.mask_mode, ctx.positions, k_positions,
-                                          slopes_H, self.scale, dropout_p)
-            elif self.backend == "flex":
-                out_BHTD = flex.flex_attention_forward(q_BHTD, keys_BHSD, v_BHSD, ctx.block_mask, ctx.positions,
-                                                  k_positions, slopes_H, self.scale)
-            elif self.backend == "chunked":
-                out_BHTD = chunked_attention(
-                    q_BHTD, keys_BHSD, v_BHSD, ctx.positions, k_positions, slopes_H, self.scale, self.chunk_size, dropout_p
-                )
-            else:
-                out_BHTD = flash_attention(q_BHTD, keys_BHSD, v_BHSD, slopes_H, self.scale, dropout_p)
 
-        out_BTC = out_BHTD.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim)
-        return self.dense(out_BTC)
+class LlamaAttention(AttentionKernel):
+    """LLaMA-family attention (HF names): q_proj, k_proj (CoCA's T, one per key/value head, as the official
+    LLaMA file), v_proj with H_kv <= H heads, o_proj; biases on q/k/v only with ``qkv_bias`` (Qwen2)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        hidden, query_width, kv_width = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, query_width, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(hidden, kv_width, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(query_width, hidden, bias=False)
+
+    def forward(
+        self, x_BTC: torch.Tensor, scheme: PositionScheme, ctx: PositionContext, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        batch, length, _ = x_BTC.shape
+        q_BHTD = self.q_proj(x_BTC).view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
+        k_BKTD = self.k_proj(x_BTC).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v_BKTD = self.v_proj(x_BTC).view(batch, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        out_BHTD = self.attend(q_BHTD, k_BKTD, v_BKTD, scheme, ctx, cache)
+        return self.o_proj(out_BHTD.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))

@@ -37,6 +37,8 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from megatron_lite.model.gqa import is_grouped, repeat_kv
+
 FLEX_MIN_TORCH = (2, 5)
 BLOCK_SIZE = 128  # FlexAttention's default sparse block; lengths need not be multiples of it
 
@@ -190,7 +192,8 @@ def _flex_has_no_backward(*tensors: Tensor) -> bool:
 def flex_attention_forward(q_BHTD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, block_mask: Any, q_positions_T: Tensor,
                            k_positions_S: Tensor, slopes_H: Tensor | None, scale: float, *,
                            compiled: bool | None = None) -> Tensor:
-    """(B, H, T, D) attention under ``block_mask`` (build_block_mask) with ALiBi as a score_mod.
+    """(B, H, T, D) attention under ``block_mask`` (build_block_mask) with ALiBi as a score_mod; k/v may have
+fewer (grouped-query) heads (B, H_kv, S, D).
 
     compiled: wrap flex in torch.compile (default: on CUDA only; ignored inside an enclosing compile).
     On CPU/MPS with inputs requiring grad the dense equivalent runs (see the module docstring).
@@ -200,6 +203,9 @@ def flex_attention_forward(q_BHTD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, block
                          f"T={q_BHTD.shape[-2]}, S={k_BHSD.shape[-2]}; build it for this forward")
     score_mod = None if slopes_H is None else alibi_score_mod(q_positions_T, k_positions_S, slopes_H)
     if _flex_has_no_backward(q_BHTD, k_BHSD, v_BHSD):
-        return dense_flex_attention(q_BHTD, k_BHSD, v_BHSD, block_mask.mask_mod, score_mod, scale)
+        heads = q_BHTD.shape[1]
+        return dense_flex_attention(q_BHTD, repeat_kv(k_BHSD, heads), repeat_kv(v_BHSD, heads), block_mask.mask_mod,
+                                    score_mod, scale)
     kernel = _flex_kernel(q_BHTD.device, compiled)
-    return kernel(q_BHTD, k_BHSD, v_BHSD, score_mod=score_mod, block_mask=block_mask, scale=scale)
+    return kernel(q_BHTD, k_BHSD, v_BHSD, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                  enable_gqa=is_grouped(q_BHTD, k_BHSD))

@@ -1,8 +1,12 @@
-"""GPT-NeoX decoder: embedding, blocks with (optionally parallel) residual, final norm, LM head.
+"""The decoder: embedding, blocks of one family, final norm, LM head.
 
-Parameter names mirror Hugging Face GPTNeoX (embed_in, layers.N.attention.query_key_value, ...)
-so conversion is a rename of the top-level prefix. The model never branches on the position
-scheme: it asks the scheme for an embedding and hands it to every attention layer.
+Two block families (``model.architecture``):
+  gpt_neox  LayerNorm, fused per-head QKV with biases, GELU MLP, (optionally parallel) residual;
+            names mirror HF GPTNeoX (layers.N.attention.query_key_value, layers.N.mlp.dense_h_to_4h, ...).
+  llama     RMSNorm, q/k/v/o projections with grouped-query heads, SwiGLU MLP, sequential residual;
+            names mirror HF Llama inside a block (layers.N.self_attn.q_proj, layers.N.mlp.gate_proj, ...).
+Both share the top level (embed_in, final_layer_norm, lm_head), so conversion renames a prefix. The model
+never branches on the position scheme: it asks the scheme for an embedding and hands it to every layer.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megatron_lite.config import Config, ModelConfig, RopeScalingConfig
-from megatron_lite.model.attention import SelfAttention
+from megatron_lite.model.attention import LlamaAttention, SelfAttention
 from megatron_lite.model.kv_cache import KVCache, LayerCache
 from megatron_lite.model.loss import LMHead
 from megatron_lite.model.position import PositionContext, PositionScheme, build_context, build_position_scheme, build_rotary
@@ -27,6 +31,10 @@ ACTIVATIONS = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
 }
+
+# The projections that write into the residual stream (GPT-NeoX's wang_init applies to them).
+RESIDUAL_OUTPUT_WEIGHTS = ("attention.dense.weight", "mlp.dense_4h_to_h.weight", "self_attn.o_proj.weight",
+                           "mlp.down_proj.weight")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -40,6 +48,51 @@ class MLP(nn.Module):
 
     def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(self.activation(self.dense_h_to_4h(x_BTC)))
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in float32 and cast back before the weight (HF LlamaRMSNorm)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        x32 = x_BTC.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x_BTC.dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), no biases (HF LlamaMLP)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.ffn_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.ffn_size, bias=False)
+        self.down_proj = nn.Linear(config.ffn_size, config.hidden_size, bias=False)
+
+    def forward(self, x_BTC: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_BTC)) * self.up_proj(x_BTC))
+
+
+class LlamaBlock(nn.Module):
+    """x + attn(norm1(x)), then + mlp(norm2(.)) (pre-norm, sequential residual)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.layernorm_epsilon)
+        self.self_attn = LlamaAttention(config)
+        self.mlp = GatedMLP(config)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self, x_BTC: torch.Tensor, scheme: PositionScheme, ctx: PositionContext, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        x_BTC = x_BTC + self.hidden_dropout(self.self_attn(self.input_layernorm(x_BTC), scheme, ctx, cache))
+        return x_BTC + self.hidden_dropout(self.mlp(self.post_attention_layernorm(x_BTC)))
 
 
 class GPTNeoXBlock(nn.Module):
@@ -69,8 +122,10 @@ class GPT(nn.Module):
         self.config = config
         self.embed_in = nn.Embedding(config.padded_vocab_size, config.hidden_size)
         self.position = build_position_scheme(config)
-        self.layers = nn.ModuleList(GPTNeoXBlock(config) for _ in range(config.num_layers))
-        self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        block = LlamaBlock if config.is_llama else GPTNeoXBlock
+        self.layers = nn.ModuleList(block(config) for _ in range(config.num_layers))
+        self.final_layer_norm: nn.Module = (RMSNorm(config.hidden_size, config.layernorm_epsilon) if config.is_llama
+                                            else nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon))
         self.lm_head = LMHead(config.hidden_size, config.padded_vocab_size)
         if not config.no_weight_tying:
             self.lm_head.weight = self.embed_in.weight
@@ -87,7 +142,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """GPT-NeoX init: small_init for input-side weights, wang_init for residual outputs."""
+        """GPT-NeoX init: small_init for input-side weights, wang_init for residual outputs (both families)."""
         input_std = self._init_std(self.config.init_method)
         output_std = self._init_std(self.config.output_layer_init_method)
         for name, parameter in self.named_parameters():
@@ -95,7 +150,7 @@ class GPT(nn.Module):
                 parameter.zero_()
             elif "layernorm" in name or "layer_norm" in name:
                 parameter.fill_(1.0)
-            elif name.endswith(("attention.dense.weight", "mlp.dense_4h_to_h.weight")):
+            elif name.endswith(RESIDUAL_OUTPUT_WEIGHTS):
                 parameter.normal_(0.0, output_std)
             else:
                 parameter.normal_(0.0, input_std)

@@ -15,15 +15,27 @@ from megatron_lite.model.gpt import GPT
 
 
 def analytic_parameter_count(model: ModelConfig) -> int:
-    """Closed form for the GPT-NeoX layout; position schemes add only the learned table."""
+    """Closed form for either block family; position schemes add only the learned table."""
     h, f, vocab = model.hidden_size, model.ffn_size, model.padded_vocab_size
-    per_layer = (
-        3 * h * h + 3 * h  # query_key_value (q, k-or-t, v)
-        + h * h + h  # attention.dense
-        + h * f + f + f * h + h  # mlp
-        + 4 * h  # two LayerNorms
-    )
-    total = vocab * h + model.num_layers * per_layer + 2 * h
+    if model.is_llama:
+        query, kv = model.num_attention_heads * model.head_dim, model.kv_heads * model.head_dim
+        per_layer = (
+            h * query + 2 * h * kv  # q_proj, k_proj (CoCA's T), v_proj
+            + ((query + 2 * kv) if model.qkv_bias else 0)
+            + query * h  # o_proj
+            + 3 * h * f  # gate_proj, up_proj, down_proj
+            + 2 * h  # two RMSNorms
+        )
+        final_norm = h
+    else:
+        per_layer = (
+            3 * h * h + 3 * h  # query_key_value (q, k-or-t, v)
+            + h * h + h  # attention.dense
+            + h * f + f + f * h + h  # mlp
+            + 4 * h  # two LayerNorms
+        )
+        final_norm = 2 * h
+    total = vocab * h + model.num_layers * per_layer + final_norm
     if model.no_weight_tying:
         total += vocab * h
     if model.position.scheme == "learned":

@@ -10,6 +10,7 @@ Scalings follow HF transformers ``modeling_rope_utils``:
   dynamic  base * ((factor * L / L_train) - (factor - 1))^(r/(r-2))  for L > L_train
   yarn     NTK-by-parts blend of interpolated/extrapolated frequencies, attention factor
            0.1 ln(factor) + 1 multiplying cos and sin.
+  llama3   Llama-3.1: long wavelengths / factor, short ones kept, a smooth blend between.
 """
 
 from __future__ import annotations
@@ -58,6 +59,21 @@ def yarn_inv_freq(
     return inv_freq, attention_factor
 
 
+def llama3_inv_freq(rotary_dims: int, base: float, factor: float, original_len: int, low_freq_factor: float,
+                    high_freq_factor: float) -> torch.Tensor:
+    """Llama-3.1 frequencies (float64), as HF _compute_llama3_parameters: wavelengths longer than
+    original_len / low_freq_factor are interpolated (divided by factor), shorter than original_len /
+    high_freq_factor kept, and the band between blended smoothly."""
+    inv_freq = base_inv_freq(rotary_dims, base)
+    wavelength = 2 * math.pi / inv_freq
+    low_freq_wavelength, high_freq_wavelength = original_len / low_freq_factor, original_len / high_freq_factor
+    scaled = torch.where(wavelength > low_freq_wavelength, inv_freq / factor, inv_freq)
+    smooth = (original_len / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
+    return torch.where(medium, blended, scaled)
+
+
 @dataclass(frozen=True)
 class RotaryTables:
     """cos/sin for a run of positions (T, r), float32 (float64 for float64 models), times the attention factor."""
@@ -93,6 +109,9 @@ class RotaryEmbedding:
             return base_inv_freq(r, dynamic_ntk_base(self.base, r, factor, seq_len, self.train_length)), 1.0
         if kind == "yarn":
             return yarn_inv_freq(r, self.base, factor, self.train_length, self.scaling.beta_fast, self.scaling.beta_slow)
+        if kind == "llama3":
+            return llama3_inv_freq(r, self.base, factor, self.train_length, self.scaling.low_freq_factor,
+                                   self.scaling.high_freq_factor), 1.0
         raise ValueError(f"model.position.scaling.type={kind!r}: unknown scaling")
 
     def tables(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype = torch.float32) -> RotaryTables:

@@ -37,7 +37,8 @@ KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "A10G": 125.0,
 def model_flops_per_token(model: ModelConfig) -> float:
     """Training (forward + backward) FLOPs per token."""
     matmul_params = analytic_parameter_count(model) - model.padded_vocab_size * model.hidden_size
-    return 6.0 * matmul_params + 12.0 * model.num_layers * model.hidden_size * model.seq_length
+    attention_width = model.num_attention_heads * model.head_dim  # = hidden_size for GPT-NeoX
+    return 6.0 * matmul_params + 12.0 * model.num_layers * attention_width * model.seq_length
 
 
 def peak_tflops(config: Config) -> float | None:
