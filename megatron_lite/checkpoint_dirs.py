@@ -10,13 +10,15 @@ Layout written by the training loop (``megatron_lite.training``)::
           mp_rank_00_model_states.pt       DeepSpeed files (model / ZeRO optimizer partitions)
           *_optim_states.pt
           config.yml                       the config that produced it
-          tokenizer.model                  the SentencePiece model the data was tokenised with
+          tokenizer.model | tokenizer.json   the run's tokenizer (SentencePiece | Hugging Face, the latter
+                                           with its tokenizer_config.json when it had one)
           rng_state_rank00000.pt           each rank's RNG state
           MANIFEST.json                    every file's size, sha256 and writing rank (checkpoint_integrity)
           COMPLETE                         marker: every rank finished writing (JSON summary)
 
-A *consolidated* directory holds ``config.yml`` + ``model.safetensors`` (+ ``tokenizer.model``);
-``megatron_lite.weights`` reads and writes one.
+A *consolidated* directory holds ``config.yml`` + ``model.safetensors`` (+ the tokenizer, as above);
+``megatron_lite.weights`` reads and writes one. ``find_tokenizer`` / ``copy_tokenizer`` are the one
+place that knows the tokenizer's file names.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +34,14 @@ CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 COMPLETE_MARKER = "COMPLETE"
 CONFIG_FILE = "config.yml"
-TOKENIZER_FILE = "tokenizer.model"
+TOKENIZER_FILE = "tokenizer.model"  # SentencePiece
+HF_TOKENIZER_FILE = "tokenizer.json"  # Hugging Face tokenizers
+HF_TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # beside tokenizer.json: its eos/bos/pad token names
+# What a directory may carry, in lookup order: an HF model dir with both files (Llama-2, Mistral) means
+# its tokenizer.json, the tokenizer transformers itself loads.
+TOKENIZER_FILES = (HF_TOKENIZER_FILE, TOKENIZER_FILE)
 WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"  # sharded weights (HF's index format)
 _STEP_TAG = re.compile(r"^step_(\d+)$")
 
 
@@ -83,7 +92,7 @@ def checkpoint_kind(path: Path) -> str:
     """'run' | 'step' | 'consolidated' | 'hf'; ValueError naming the path otherwise."""
     if (path / CHECKPOINTS_DIR).is_dir():
         return "run"
-    if (path / WEIGHTS_FILE).is_file() and (path / CONFIG_FILE).is_file():
+    if ((path / WEIGHTS_FILE).is_file() or (path / WEIGHTS_INDEX_FILE).is_file()) and (path / CONFIG_FILE).is_file():
         return "consolidated"
     if list(path.glob("*model_states.pt")):
         return "step"
@@ -112,3 +121,38 @@ def step_config_file(step_dir: Path) -> Path:
         if candidate.is_file():
             return candidate
     raise ValueError(f"{step_dir}: no {CONFIG_FILE} beside the checkpoint or in its run dir")
+
+
+def tokenizer_file_name(tokenizer: str | os.PathLike[str]) -> str:
+    """The name a tokenizer file has inside a checkpoint or cache: tokenizer.json for any ``*.json``
+    (Hugging Face), tokenizer.model otherwise (SentencePiece)."""
+    return HF_TOKENIZER_FILE if Path(tokenizer).suffix == ".json" else TOKENIZER_FILE
+
+
+def tokenizer_companions(tokenizer: str | os.PathLike[str]) -> list[Path]:
+    """The files a tokenizer consists of: itself, plus the tokenizer_config.json beside a tokenizer.json
+    (it names the EOS that becomes EOD, so it travels with it)."""
+    path = Path(tokenizer)
+    config = path.with_name(HF_TOKENIZER_CONFIG_FILE)
+    return [path, config] if path.suffix == ".json" and config.is_file() else [path]
+
+
+def copy_tokenizer(tokenizer: str | os.PathLike[str], directory: str | os.PathLike[str]) -> list[Path]:
+    """Copy a tokenizer (and its companion) into ``directory`` under the checkpoint names; the written paths."""
+    directory = Path(directory)
+    written = []
+    for index, source in enumerate(tokenizer_companions(tokenizer)):
+        target = directory / (tokenizer_file_name(source) if index == 0 else HF_TOKENIZER_CONFIG_FILE)
+        if source.resolve() != target.resolve():
+            shutil.copyfile(source, target)
+        written.append(target)
+    return written
+
+
+def find_tokenizer(directory: str | os.PathLike[str]) -> Path | None:
+    """The tokenizer a step, consolidated, cache or HF dir carries (tokenizer.json, else tokenizer.model), or None."""
+    for name in TOKENIZER_FILES:
+        candidate = Path(directory) / name
+        if candidate.is_file():
+            return candidate
+    return None

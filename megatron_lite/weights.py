@@ -1,5 +1,5 @@
 """Model weights: reading them from any checkpoint directory, checking them against a config, and
-the consolidated format (``config.yml`` + ``model.safetensors`` (+ ``tokenizer.model``), fp32
+the consolidated format (``config.yml`` + ``model.safetensors`` (+ ``tokenizer.model`` or ``tokenizer.json``), fp32
 tensors named as ``GPT.state_dict()``) that ``save_consolidated`` writes.
 
 ``load_model(path)`` accepts a run dir, a step dir or a consolidated dir (``megatron_lite.checkpoint_dirs``).
@@ -7,8 +7,8 @@ tensors named as ``GPT.state_dict()``) that ``save_consolidated`` writes.
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,8 @@ from megatron_lite import config as config_lib
 from megatron_lite.config import Config, ModelConfig
 from megatron_lite.console import notice
 from megatron_lite.files import apply_umask
+
+WEIGHTS_INDEX_FILE = checkpoint_dirs.WEIGHTS_INDEX_FILE
 
 
 def _zero_stage(step_dir: Path) -> int:
@@ -46,7 +48,12 @@ def load_step_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
     if _zero_stage(step_dir) > 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        from megatron_lite.training.stages import complete_zero_state
+
         state = get_fp32_state_dict_from_zero_checkpoint(str(step_dir.parent), tag=step_dir.name)
+        # a train.stages stage's QKV slots fused back; frozen tensors ZeRO-1 leaves out from the module copy
+        module = safe_load(sorted(step_dir.glob("*model_states.pt"))[0], mmap=True)["module"]
+        state = complete_zero_state(state, module)
     else:
         files = sorted(step_dir.glob("mp_rank_*_model_states.pt"))
         if not files:
@@ -60,17 +67,33 @@ def load_state_dict(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
     resolved = checkpoint_dirs.resolve_checkpoint(path)
     kind = checkpoint_dirs.checkpoint_kind(resolved)
     if kind == "consolidated":
-        from safetensors.torch import load_file
-
-        state = load_file(str(resolved / checkpoint_dirs.WEIGHTS_FILE))
+        state = {}
+        for file in weight_files(resolved):
+            state.update(read_weight_file(file))
         config = config_lib.load(resolved / checkpoint_dirs.CONFIG_FILE)
     elif kind == "step":
         state = load_step_state_dict(resolved)
         config = config_lib.load(checkpoint_dirs.step_config_file(resolved))
     else:
         raise ValueError(f"{resolved}: a Hugging Face dir; convert it first with tools/convert_checkpoint.py --to megatron_lite")
-    tokenizer = resolved / checkpoint_dirs.TOKENIZER_FILE
-    return state, config, tokenizer if tokenizer.is_file() else None
+    return state, config, checkpoint_dirs.find_tokenizer(resolved)
+
+
+def read_weight_file(path: Path) -> dict[str, torch.Tensor]:
+    """One safetensors file, or a legacy .bin through ``torch.load(weights_only=True)`` (no arbitrary pickles)."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def weight_files(consolidated_dir: Path) -> list[Path]:
+    """The safetensors files of a consolidated dir: model.safetensors, or the shards its index names."""
+    index = consolidated_dir / WEIGHTS_INDEX_FILE
+    if index.is_file():
+        return [consolidated_dir / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    return [consolidated_dir / checkpoint_dirs.WEIGHTS_FILE]
 
 
 def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -84,12 +107,17 @@ def expected_shapes(model: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def check_tensors(state: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], source: str) -> None:
     """One ValueError listing every missing, unexpected and mis-shaped tensor (nothing when all match)."""
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+    check_shapes({name: tuple(tensor.shape) for name, tensor in state.items()}, expected, source)
+
+
+def check_shapes(shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], source: str) -> None:
+    """``check_tensors`` on names and shapes alone (a checkpoint read shard by shard)."""
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
     misshaped = sorted(
-        f"{name} {tuple(state[name].shape)} (expected {expected[name]})"
-        for name in set(state) & set(expected)
-        if tuple(state[name].shape) != expected[name]
+        f"{name} {shapes[name]} (expected {expected[name]})"
+        for name in set(shapes) & set(expected)
+        if shapes[name] != expected[name]
     )
     problems = [f"missing: {', '.join(missing)}"] if missing else []
     problems += [f"unexpected: {', '.join(unexpected)}"] if unexpected else []
@@ -152,12 +180,19 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dic
 
 def save_consolidated(state: dict[str, torch.Tensor], config: Config, out_dir: str | os.PathLike[str],
                       tokenizer_path: str | os.PathLike[str] | None = None) -> Path:
-    """Write config.yml + model.safetensors (+ tokenizer.model): what ``load_model`` reads back."""
+    """Write config.yml + model.safetensors (+ the tokenizer under its checkpoint name, tokenizer.model or
+    tokenizer.json with its tokenizer_config.json): what ``load_model`` reads back."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_safetensors({name: tensor.detach().contiguous().cpu() for name, tensor in state.items()},
                      out / checkpoint_dirs.WEIGHTS_FILE)
+    save_consolidated_metadata(config, out, tokenizer_path)
+    return out
+
+
+def save_consolidated_metadata(config: Config, out: Path, tokenizer_path: str | os.PathLike[str] | None = None) -> None:
+    """The consolidated dir's config.yml and tokenizer; the weights are written beside them (here, or shard by
+    shard by convert/sharded.py)."""
     config_lib.save(config, out / checkpoint_dirs.CONFIG_FILE)
     if tokenizer_path is not None:
-        shutil.copyfile(tokenizer_path, out / checkpoint_dirs.TOKENIZER_FILE)
-    return out
+        checkpoint_dirs.copy_tokenizer(tokenizer_path, out)

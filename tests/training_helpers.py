@@ -5,12 +5,18 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
+
+from megatron_lite import checkpoint_dirs
+from megatron_lite.checkpoint_integrity import safe_load
+from megatron_lite.weights import load_step_state_dict
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches near "
@@ -104,3 +110,30 @@ def metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def train_losses(run_dir: Path) -> dict[int, float]:
     return {row["step"]: row["loss"] for row in metrics(run_dir) if row.get("loss") is not None}
+
+
+def step_weights(run: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_step_state_dict(run / checkpoint_dirs.CHECKPOINTS_DIR / checkpoint_dirs.step_tag(step))
+
+
+def optimizer_elements(step_dir: Path) -> dict[str, int]:
+    """Elements of every Adam moment and fp32 master partition in a checkpoint's files (any ZeRO stage)."""
+    found = {"exp_avg": 0, "exp_avg_sq": 0, "fp32": 0}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, torch.Tensor):
+            if path.endswith(("/exp_avg", "/exp_avg_sq")):
+                found[path.rsplit("/", 1)[1]] += node.numel()
+            elif re.search(r"/(fp32_flat_groups|single_partition_of_fp32_groups)\[\d+\]$", path):
+                found["fp32"] += node.numel()
+        elif isinstance(node, dict):
+            for key, value in node.items():
+                if key != "module":  # the model's own copy, not optimizer state
+                    walk(value, f"{path}/{key}")
+        elif isinstance(node, (list, tuple)):
+            for index, value in enumerate(node):
+                walk(value, f"{path}[{index}]")
+
+    for file in sorted(step_dir.glob("*_states.pt")):
+        walk(safe_load(file), "")
+    return found

@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--passkey-lengths", default="", help="passkey prompt lengths in tokens (empty: no passkey)")
     parser.add_argument("--passkey-cases", type=int, default=100, help="cases per length")
     parser.add_argument("--scaling", default="none",
-                        help="RoPE scalings: none | dynamic:F | linear:F | ntk:F | yarn:F, comma-separated")
+                        help="RoPE scalings: none (the model as trained, with any scaling it was trained with) | "
+                             "dynamic:F | linear:F | ntk:F | yarn:F | llama3:F, comma-separated")
     parser.add_argument("--seed", type=int, default=1234, help="passkey keys and depths")
     parser.add_argument("--batch-size", type=int, default=1, help="windows (or passkey cases) per forward")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
@@ -50,7 +51,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="auto (chunked for ALiBi, fused causal sdpa otherwise) | sdpa | chunked | flash | "
                              "reference")
     parser.add_argument("--chunk-size", type=int, default=1024, help="query block of the chunked backend")
-    parser.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the checkpoint's)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="SentencePiece .model, tokenizer.json or a directory holding one (default: the checkpoint's)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key of every checkpoint's config (must keep parameter shapes), "
                              "e.g. --set model.position.constraint=strict")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_lite.cli import cli_main, run_cli
-from megatron_lite.data.tokenizer import Tokenizer
+from megatron_lite.data.tokenizer import model_tokenizer
 from megatron_lite.eval.generation import generate_text
 from megatron_lite.eval.scaling import parse_scaling
 from megatron_lite.model.gpt import DTYPES
@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES))
-    parser.add_argument("--tokenizer", default=None, help="SentencePiece model (default: the checkpoint's)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="SentencePiece .model, tokenizer.json or a directory holding one (default: the checkpoint's)")
     return parser.parse_args(argv)
 
 
@@ -42,10 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(args.checkpoint, args.device, DTYPES[args.dtype])
     if scaling.type != "none":
         loaded.model.set_rope_scaling(scaling.config())
-    tokenizer_path = args.tokenizer or loaded.tokenizer_path
-    if tokenizer_path is None:
-        raise ValueError(f"{args.checkpoint}: no tokenizer.model in the checkpoint; pass --tokenizer")
-    texts = generate_text(loaded.model, Tokenizer(tokenizer_path), args.prompt, args.max_new_tokens,
+    tokenizer = model_tokenizer(args.tokenizer, loaded.tokenizer_path, loaded.config.model, args.checkpoint)
+    texts = generate_text(loaded.model, tokenizer, args.prompt, args.max_new_tokens,
                           args.temperature, args.top_k, args.top_p, args.num_samples, args.seed)
     for index, text in enumerate(texts):
         if len(texts) > 1:

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from megatron_lite.config.schema import Config, MixConfig
+from megatron_lite.config.schema import Config, MixConfig, ModelConfig
 from megatron_lite.console import notice
 
 
@@ -148,6 +148,48 @@ def _validate_train(config: Config) -> None:
     _require(train.gradient_clipping >= 0, f"train.gradient_clipping={train.gradient_clipping}: must be >= 0")
     if train.peak_tflops is not None:
         _require(train.peak_tflops > 0, f"train.peak_tflops={train.peak_tflops}: must be positive")
+    _validate_stages(config)
+
+
+def _validate_stages(config: Config) -> None:
+    """train.stages entries one by one (patterns are checked against the model when training starts),
+    and train.train_iters against their sum."""
+    train = config.train
+    for index, stage in enumerate(train.stages):
+        key = f"train.stages[{index}]"
+        _require(stage.steps > 0, f"{key}.steps={stage.steps}: must be positive")
+        _require(bool(stage.trainable), f"{key}.trainable=[]: name at least one parameter pattern (e.g. '*')")
+        for position, pattern in enumerate(stage.trainable):
+            _require(bool(pattern.strip()), f"{key}.trainable[{position}]={pattern!r}: empty pattern")
+        if stage.lr is not None:
+            _require(stage.lr > 0, f"{key}.lr={stage.lr}: must be positive")
+            _require(train.min_lr <= stage.lr and train.warmup_start_lr <= stage.lr,
+                     f"{key}.lr={stage.lr}: must be >= train.min_lr={train.min_lr} and train.warmup_start_lr="
+                     f"{train.warmup_start_lr}")
+    total = sum(stage.steps for stage in train.stages)
+    _require(not train.stages or train.train_iters in (None, total),
+             f"train.train_iters={train.train_iters} conflicts with train.stages, whose steps sum to {total}: "
+             "leave train.train_iters null")
+
+
+def _validate_architecture(model: ModelConfig) -> None:
+    """Head layout and the family-only keys (GQA, explicit head dim and q/k/v biases are llama's)."""
+    if model.kv_channels is None:
+        _require(model.hidden_size % model.num_attention_heads == 0,
+                 f"model.num_attention_heads={model.num_attention_heads}: must divide model.hidden_size="
+                 f"{model.hidden_size} (or set model.kv_channels)")
+    else:
+        _require(model.kv_channels > 0, f"model.kv_channels={model.kv_channels}: must be positive")
+    if model.num_key_value_heads is not None:
+        _require(model.num_key_value_heads > 0 and model.num_attention_heads % model.num_key_value_heads == 0,
+                 f"model.num_key_value_heads={model.num_key_value_heads}: must divide model.num_attention_heads="
+                 f"{model.num_attention_heads}")
+    if not model.is_llama:
+        fused = "needs model.architecture=llama (gpt_neox fuses q/k/v per head, with biases, one key/value head per query head)"
+        _require(model.kv_heads == model.num_attention_heads, f"model.num_key_value_heads={model.num_key_value_heads}: {fused}")
+        _require(model.kv_channels in (None, model.hidden_size // model.num_attention_heads),
+                 f"model.kv_channels={model.kv_channels}: {fused}")
+        _require(not model.qkv_bias, f"model.qkv_bias=true: {fused}")
 
 
 def validate(config: Config) -> Config:
@@ -157,11 +199,7 @@ def validate(config: Config) -> Config:
                  "make_vocab_size_divisible_by"):
         value = getattr(model, name)
         _require(value > 0, f"model.{name}={value}: must be positive")
-    _require(
-        model.hidden_size % model.num_attention_heads == 0,
-        f"model.num_attention_heads={model.num_attention_heads}: must divide "
-        f"model.hidden_size={model.hidden_size}",
-    )
+    _validate_architecture(model)
     if model.intermediate_size is not None:
         _require(model.intermediate_size > 0, f"model.intermediate_size={model.intermediate_size}: must be positive")
     if model.max_position_embeddings is not None:
@@ -232,6 +270,10 @@ def validate(config: Config) -> Config:
                 f"model.position.scaling.beta_fast={scaling.beta_fast}: must exceed beta_slow="
                 f"{scaling.beta_slow} > 0",
             )
+        if scaling.type == "llama3":
+            _require(0 < scaling.low_freq_factor < scaling.high_freq_factor,
+                     f"model.position.scaling.low_freq_factor={scaling.low_freq_factor}: must be > 0 and below "
+                     f"high_freq_factor={scaling.high_freq_factor}")
         if not model.uses_rotary:
             notice(
                 f"model.position.scaling.type={scaling.type} is ignored: scheme {position.scheme} has no rotary embedding",
@@ -352,6 +394,10 @@ def documentation(root: type | None = None) -> str:
             if typing.get_origin(annotation) is dict and dataclasses.is_dataclass(typing.get_args(annotation)[1]):
                 lines.append(f"| `{prefix}{item.name}` | mapping | – | {item.metadata['help']} |")
                 walk(typing.get_args(annotation)[1], f"{prefix}{item.name}.NAME.")
+                continue
+            if typing.get_origin(annotation) is list and dataclasses.is_dataclass(typing.get_args(annotation)[0]):
+                lines.append(f"| `{prefix}{item.name}` | list | `[]` | {item.metadata['help']} |")
+                walk(typing.get_args(annotation)[0], f"{prefix}{item.name}[].")
                 continue
             if item.default is not dataclasses.MISSING:
                 default = item.default

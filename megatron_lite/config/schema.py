@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 SchemeName = Literal["none", "learned", "sinusoidal", "alibi", "rope", "coca"]
 CocaConstraint = Literal["slack", "strict"]
-ScalingType = Literal["none", "linear", "ntk", "dynamic", "yarn"]
+ScalingType = Literal["none", "linear", "ntk", "dynamic", "yarn", "llama3"]
+Architecture = Literal["gpt_neox", "llama"]
 AttentionBackend = Literal["sdpa", "flash", "flex", "chunked", "reference"]
 SourceType = Literal["hf", "jsonl", "text", "parquet", "python_docs", "python_code", "megatron"]
 TextEncoding = Literal["utf-8", "auto"]
@@ -25,6 +26,7 @@ ROTARY_SCHEMES: tuple[str, ...] = ("rope", "coca")
 CONSTRAINTS: tuple[str, ...] = typing.get_args(CocaConstraint)
 SCALING_TYPES: tuple[str, ...] = tuple(kind for kind in typing.get_args(ScalingType) if kind != "none")
 BACKENDS: tuple[str, ...] = typing.get_args(AttentionBackend)
+ARCHITECTURES: tuple[str, ...] = typing.get_args(Architecture)
 SCHEME_DISPLAY_NAMES = {"alibi": "ALiBi", "rope": "RoPE", "coca": "CoCA"}  # the rest as written
 
 
@@ -44,7 +46,8 @@ class RopeScalingConfig:
     type: ScalingType = _doc(
         "RoPE scaling: none | linear (position interpolation) | ntk (static NTK-aware base) | dynamic (HF "
         "dynamic-NTK: base grows with the sequence length beyond the training length) | yarn (NTK-by-parts + "
-        "attention temperature).", default="none")
+        "attention temperature) | llama3 (Llama-3.1: low frequencies divided by factor, high ones kept, a smooth "
+        "blend between).", default="none")
     factor: float = _doc("Scaling factor (>= 1). Ignored when type is none.", default=1.0)
     original_max_position_embeddings: int | None = _doc(
         "Training context length the scaling is relative to; null means model.seq_length.",
@@ -52,6 +55,11 @@ class RopeScalingConfig:
     )
     beta_fast: float = _doc("YaRN: rotations above which dims are extrapolated (HF default 32).", default=32.0)
     beta_slow: float = _doc("YaRN: rotations below which dims are interpolated (HF default 1).", default=1.0)
+    low_freq_factor: float = _doc(
+        "llama3: wavelengths above original_max_position_embeddings / this are divided by factor (Llama-3.1: 1).",
+        default=1.0)
+    high_freq_factor: float = _doc(
+        "llama3: wavelengths below original_max_position_embeddings / this are kept (Llama-3.1: 4).", default=4.0)
 
 
 @dataclass
@@ -112,16 +120,32 @@ class AttentionConfig:
         "positions still run on across them). Off as in the paper; backends flex and reference only.",
         default=False,
     )
-    eod_token_id: int = _doc("Token id that ends a document (document_mask); our tokenizer's EOD is 0.", default=0)
+    eod_token_id: int = _doc(
+        "Token id that ends a document (document_mask); our SentencePiece tokenizer's EOD is 0. With another "
+        "tokenizer set its EOD id (a Hugging Face tokenizer's EOS): training and generation refuse a mismatch "
+        "when document_mask is on.", default=0)
 
 
 @dataclass
 class ModelConfig:
-    """GPT-NeoX architecture; key names follow GPT-NeoX's where one exists."""
+    """The network: GPT-NeoX (default) or LLaMA family; key names follow GPT-NeoX's where one exists."""
 
+    architecture: Architecture = _doc(
+        "Block family: gpt_neox (LayerNorm, fused per-head QKV with biases, GELU MLP, parallel residual as "
+        "gpt_j_residual says; Pythia) | llama (RMSNorm, separate q/k/v/o projections without biases (q/k/v "
+        "biases with qkv_bias, as Qwen2), grouped-query attention, SwiGLU MLP, sequential residual; LLaMA, "
+        "Mistral, Qwen2). Every position scheme works with both.", default="gpt_neox")
     num_layers: int = _doc("Number of transformer blocks.", default=24)
     hidden_size: int = _doc("Model width.", default=1024)
-    num_attention_heads: int = _doc("Attention heads; must divide hidden_size.", default=16)
+    num_attention_heads: int = _doc("Attention (query) heads.", default=16)
+    num_key_value_heads: int | None = _doc(
+        "Key/value heads (grouped-query attention: each serves num_attention_heads / this query heads; CoCA's T "
+        "comes per key/value head); null means num_attention_heads. llama only.", default=None)
+    kv_channels: int | None = _doc(
+        "Per-head dim (HF head_dim); null means hidden_size / num_attention_heads. Set explicitly for models "
+        "whose heads * head_dim != hidden_size. llama only.", default=None)
+    qkv_bias: bool = _doc("llama only: biases on the q/k/v projections (Qwen2); gpt_neox always has biases.",
+                          default=False)
     intermediate_size: int | None = _doc("MLP width; null means 4 * hidden_size.", default=None)
     seq_length: int = _doc("Training context length in tokens.", default=512)
     max_position_embeddings: int | None = _doc(
@@ -133,13 +157,14 @@ class ModelConfig:
         "Pad the embedding/LM-head rows to a multiple of this (GPT-NeoX default 128).", default=128
     )
     gpt_j_residual: bool = _doc(
-        "Parallel residual x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX/HF use_parallel_residual).",
+        "gpt_neox only: parallel residual x + attn(ln1(x)) + mlp(ln2(x)) (GPT-NeoX/HF use_parallel_residual).",
         default=True,
     )
-    norm: Literal["layernorm"] = _doc("Normalisation layer.", default="layernorm")
-    layernorm_epsilon: float = _doc("LayerNorm epsilon.", default=1e-5)
+    norm: Literal["layernorm"] = _doc("gpt_neox normalisation layer (llama: always RMSNorm).", default="layernorm")
+    layernorm_epsilon: float = _doc("LayerNorm / RMSNorm epsilon (HF layer_norm_eps / rms_norm_eps).", default=1e-5)
     activation: Literal["gelu", "gelu_tanh", "relu"] = _doc(
-        "MLP activation (gelu is the exact erf form, as GPT-NeoX and HF 'gelu').", default="gelu"
+        "gpt_neox MLP activation (gelu is the exact erf form, as GPT-NeoX and HF 'gelu'); llama's MLP is always "
+        "SwiGLU: down(silu(gate(x)) * up(x)).", default="gelu"
     )
     no_weight_tying: bool = _doc("Untied input embedding and LM head (paper: untied).", default=True)
     init_method: Literal["small_init", "normal"] = _doc(
@@ -148,7 +173,7 @@ class ModelConfig:
         default="small_init",
     )
     output_layer_init_method: Literal["wang_init", "small_init", "normal"] = _doc(
-        "Init of the residual-output projections (attention.dense, mlp.dense_4h_to_h): "
+        "Init of the residual-output projections (attention.dense, mlp.dense_4h_to_h; llama: o_proj, down_proj): "
         "wang_init = N(0, 2 / (num_layers * sqrt(hidden))) (GPT-NeoX).",
         default="wang_init",
     )
@@ -163,7 +188,15 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads if self.num_key_value_heads is not None else self.num_attention_heads
+
+    @property
+    def is_llama(self) -> bool:
+        return self.architecture == "llama"
 
     @property
     def ffn_size(self) -> int:
@@ -194,11 +227,14 @@ class ModelConfig:
 
 @dataclass
 class TokenizerConfig:
-    """SentencePiece tokenizer: an existing model, or one trained from the mix (vocab = model.vocab_size)."""
+    """The tokenizer: an existing one (SentencePiece or Hugging Face), or a SentencePiece BPE trained from the mix."""
 
     model: str | None = _doc(
-        "Existing SentencePiece .model file; null trains one from the mix into data.cache_dir with "
-        "model.vocab_size pieces.", default=None)
+        "Existing tokenizer: a SentencePiece .model file, a Hugging Face tokenizer.json, or a directory holding "
+        "tokenizer.json (an HF tokenizer or model dir; its tokenizer_config.json names the EOS). HF: EOD = its "
+        "EOS, each document gets the specials its post-processor adds (e.g. Llama's BOS); its vocabulary "
+        "(added tokens included) must be <= model.vocab_size. null trains a SentencePiece model from the mix "
+        "into data.cache_dir with model.vocab_size pieces.", default=None)
     sample_chars: int = _doc(
         "Characters drawn from the mix, in its group proportions, to train the tokenizer.", default=20_000_000
     )
@@ -258,6 +294,9 @@ class FaultInjectionConfig:
         "it is marked complete (simulates a crash mid-save).", default=None)
     fail_save_step: int | None = _doc(
         "Raise OSError while saving this step's checkpoint (simulates a full disk).", default=None)
+    kill_after_step: int | None = _doc(
+        "SIGKILL this process right after this optimizer step (1-based) is taken and logged, before any "
+        "checkpoint of it (simulates a crash mid-training).", default=None)
     disk_full_save_steps: list[int] = _doc(
         "Steps whose checkpoint is written under a file-size limit of disk_full_bytes (RLIMIT_FSIZE, SIGXFSZ "
         "ignored) on every rank (or disk_full_rank): the kernel fails the writes past it, as on a full disk; "
@@ -271,6 +310,21 @@ class FaultInjectionConfig:
         "Apply the disk_full_save_steps limit only to rank 0's writes after all ranks agreed their files are "
         "written (config.yml, tokenizer, MANIFEST.json, COMPLETE, latest) instead of to the checkpoint files.",
         default=False)
+
+
+@dataclass
+class StageConfig:
+    """One stage of a staged fine-tune (``train.stages``): which parameters train, for how many steps."""
+
+    steps: int = _doc("Optimizer steps of this stage (must be positive).", default=0)
+    trainable: list[str] = _doc(
+        "Parameters that train in this stage; all others are frozen (no update, no weight decay, no optimizer "
+        "state). Each entry is an fnmatch glob over parameter names (`*` also crosses dots), e.g. "
+        "`layers.*.attention.query_key_value.weight`, `*.k_proj.*`, `*`; or a fused-QKV slot "
+        "`<module glob>.query_key_value[k]`, k = 0 (q), 1 (k, CoCA's t), 2 (v): for every head h the rows "
+        "[h*3D + k*D, h*3D + (k+1)*D) of `query_key_value.weight` and the same entries of its `.bias` "
+        "(D = head_dim). A pattern matching no parameter is an error.", default_factory=list)
+    lr: float | None = _doc("Peak learning rate of this stage; null means train.lr.", default=None)
 
 
 @dataclass
@@ -355,6 +409,15 @@ class TrainConfig:
     fault_injection: FaultInjectionConfig = _doc(
         "Deliberate failures for tests; see train.fault_injection.*.", default_factory=FaultInjectionConfig
     )
+    stages: list[StageConfig] = _doc(
+        "Staged fine-tuning: a list of {steps, trainable, lr} run in order (see train.stages[].*); the run's "
+        "steps are their sum (train.train_iters null or equal to it). Each stage starts from the previous "
+        "stage's weights with a new DeepSpeed engine and fresh optimizer state over its trainable parameters "
+        "only. Empty: one stage, everything trains.", default_factory=list)
+    stage_schedule: Literal["per_stage", "across"] = _doc(
+        "With train.stages: per_stage restarts warm-up and decay in each stage over its own steps (the CoCA "
+        "paper's fine-tune); across runs one schedule over all stages (each stage's lr as its peak).",
+        default="per_stage")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -404,8 +467,8 @@ class SourceConfig:
     min_chars: int = _doc("Drop (and count) documents shorter than this after cleaning.", default=1)
     deduplicate: bool = _doc("Drop (and count) exact duplicate documents within the source.", default=True)
     tokenizer: str | None = _doc(
-        "megatron: the SentencePiece model the shards were tokenised with; must be the run's "
-        "data.tokenizer.model (the same bytes).", default=None)
+        "megatron: the tokenizer the shards were tokenised with (SentencePiece .model, tokenizer.json or a "
+        "directory holding one); must be the run's data.tokenizer.model (the same bytes).", default=None)
     encoding: TextEncoding = _doc(
         "text: how files are decoded. utf-8: invalid UTF-8 is a bad record (non_utf8, skipped and counted); "
         "auto: UTF-8 when valid, else the charset a Project Gutenberg header declares (\"Character set "

@@ -8,8 +8,9 @@ Targets: ``hf`` (hf_export), ``safetensors`` and ``megatron_lite`` (both a conso
 ``megatron_lite.weights.load_model`` and training resume from). ``coca`` turns a RoPE model
 into a CoCA model (see ``rope_to_coca``).
 
-Outputs are staged in a hidden sibling directory and moved into place when complete, so a failed
-conversion never leaves a half-written OUTPUT, and ``force`` replaces an existing one only then.
+Weights stream shard by shard (convert/sharded.py: a 7B model is never in memory twice); outputs are
+staged in a hidden sibling directory and moved into place when complete, so a failed conversion never
+leaves a half-written OUTPUT, and ``force`` replaces an existing one only then.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
 from megatron_lite.convert.hf_config import uses_stock_model
-from megatron_lite.convert.hf_export import export_hf
+from megatron_lite.convert.hf_export import write_hf_metadata
 from megatron_lite.convert.hf_import import import_hf
-from megatron_lite.convert.hf_names import cast, untie
+from megatron_lite.convert.sharded import open_shards, write_consolidated_shards, write_hf_shards
 from megatron_lite.model.gpt import DTYPES
-from megatron_lite.weights import check_tensors, expected_shapes, load_state_dict, save_consolidated
+from megatron_lite.weights import check_tensors, expected_shapes, load_state_dict, save_consolidated_metadata
 
 TARGETS = ("hf", "safetensors", "megatron_lite")
 
@@ -68,7 +69,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> LoadedCheckpoint:
 
 
 def rope_to_coca(config: Config, constraint: str) -> Config:
-    """The same weights read as CoCA: the K slot of ``query_key_value`` becomes T (paper's fine-tuning start).
+    """The same weights read as CoCA: the K projection becomes T (paper's fine-tuning start): the K slot of the
+    GPT-NeoX family's fused ``query_key_value``, the LLaMA family's ``k_proj`` (one T per key/value head).
 
     Preserved: every tensor bitwise, the rotary base/pct/scaling, all other settings. Not preserved:
     the function — CoCA scores (q * R q).(R t) (slack) or (R u).(R w) (strict) differ from RoPE's
@@ -123,13 +125,14 @@ def convert_checkpoint(
     source = Path(input_path)
     if output.exists() and output.is_dir() and any(output.iterdir()) and not force:  # fail before the slow load
         raise ValueError(f"OUTPUT {output.resolve()} is not empty; pass --force to replace its contents")
-    loaded = read_checkpoint(source)
+    loaded = open_shards(source)
     config = rope_to_coca(loaded.config, coca) if coca is not None else loaded.config
     with staged_output(output, force, source) as staging:
         if to == "hf":
-            export_hf(loaded.state, config, staging, loaded.tokenizer_path, DTYPES[dtype])
+            write_hf_metadata(config, staging, loaded.tokenizer_path, DTYPES[dtype])
+            write_hf_shards(loaded, config, staging, DTYPES[dtype])
         else:
-            state = untie(cast(loaded.state, DTYPES[dtype]))
-            save_consolidated(state, config, staging, loaded.tokenizer_path)
+            write_consolidated_shards(loaded, staging, DTYPES[dtype])
+            save_consolidated_metadata(config, staging, loaded.tokenizer_path)
     remote = to == "hf" and not uses_stock_model(config.model)
     return ConversionResult(output.resolve(), loaded.kind, config, remote, loaded.step)

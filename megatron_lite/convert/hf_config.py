@@ -1,27 +1,18 @@
-"""megatron_lite ``ModelConfig`` <-> Hugging Face GPT-NeoX ``config.json`` fields (transformers v5 names).
+"""megatron_lite ``ModelConfig`` <-> Hugging Face ``config.json`` fields (transformers v5 names), both families.
 
-Export writes the fields ``GPTNeoXConfig`` writes (hidden_size, num_attention_heads, ...,
-``rope_parameters``) plus ``position_scheme`` and ``coca_constraint``. Two RoPE facts decide the
-values, because HF computes scalings from config fields rather than from a training length:
-
-* dynamic NTK grows the base relative to ``max_position_embeddings``; ours grows it relative to the
-  training length L_train (``scaling.original_max_position_embeddings`` or ``seq_length``), so a
-  dynamic export sets ``max_position_embeddings = L_train``;
-* YaRN reads ``rope_parameters.original_max_position_embeddings`` (= L_train) and expects
-  ``max_position_embeddings = factor * L_train``;
-* HF has no static NTK type: ``ntk`` is exported as the equivalent ``rope_theta``
-  base * factor^(r/(r-2)) with ``rope_type: default``.
-
-Import reads v5 (``rope_parameters``) and v4 (``rope_scaling``, ``rotary_pct``, ``rotary_emb_base``)
-configs of ``gpt_neox`` (e.g. Pythia) and ``megatron_lite_gpt`` models.
+GPT-NeoX family (here): export writes the fields ``GPTNeoXConfig`` writes (hidden_size,
+num_attention_heads, ..., ``rope_parameters``) plus ``position_scheme`` and ``coca_constraint``; import
+reads ``gpt_neox`` (e.g. Pythia) and ``megatron_lite_gpt`` configs. LLaMA family: ``hf_llama``. RoPE
+fields both ways: ``hf_rope``. The public functions dispatch on ``model.architecture`` / ``model_type``.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from megatron_lite.config import ROTARY_SCHEMES, ModelConfig
+from megatron_lite.config import ModelConfig
+from megatron_lite.convert import hf_llama
+from megatron_lite.convert.hf_rope import position_section, rope_fields, rope_settings
 
 STOCK_MODEL_TYPE = "gpt_neox"
 REMOTE_MODEL_TYPE = "megatron_lite_gpt"
@@ -32,36 +23,14 @@ GPT_NEOX_DEFAULT_ROTARY_PCT = 0.25  # what GPTNeoXConfig assumes when a config n
 
 
 def uses_stock_model(model: ModelConfig) -> bool:
-    return model.position.scheme in STOCK_SCHEMES
-
-
-def rope_fields(model: ModelConfig) -> tuple[dict[str, Any], int]:
-    """(rope_parameters, max_position_embeddings) as HF must see them to compute our frequencies."""
-    position, scaling = model.position, model.position.scaling
-    if model.position.scheme == "none":  # stock GPT-NeoX with zero rotary dims = no positions at all
-        return {"rope_type": "default", "rope_theta": position.rotary_emb_base, "partial_rotary_factor": 0.0}, model.max_positions
-    params: dict[str, Any] = {"rope_type": "default", "rope_theta": position.rotary_emb_base,
-                              "partial_rotary_factor": position.rotary_pct}
-    kind = scaling.type if model.uses_rotary else "none"
-    max_positions = model.max_positions
-    if kind == "linear":
-        params.update(rope_type="linear", factor=scaling.factor)
-    elif kind == "ntk":
-        dims = model.rotary_dims
-        params["rope_theta"] = position.rotary_emb_base * scaling.factor ** (dims / (dims - 2))
-    elif kind == "dynamic":
-        params.update(rope_type="dynamic", factor=scaling.factor)
-        max_positions = model.rotary_train_length
-    elif kind == "yarn":
-        train_length = model.rotary_train_length
-        params.update(rope_type="yarn", factor=scaling.factor, original_max_position_embeddings=train_length,
-                      beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow)
-        max_positions = math.ceil(train_length * scaling.factor)
-    return params, max_positions
+    """Whether a stock transformers class (GPTNeoX, Llama, Qwen2) expresses the model, or remote code must."""
+    return hf_llama.uses_stock_model(model) if model.is_llama else model.position.scheme in STOCK_SCHEMES
 
 
 def hf_config_fields(model: ModelConfig) -> dict[str, Any]:
     """The architecture fields of config.json (without token ids, dtype, auto_map)."""
+    if model.is_llama:
+        return hf_llama.llama_config_fields(model)
     rope_parameters, max_position_embeddings = rope_fields(model)
     return {
         "vocab_size": model.padded_vocab_size,
@@ -88,49 +57,24 @@ def hf_config_fields(model: ModelConfig) -> dict[str, Any]:
 # Import
 
 
-def _rope_settings(hf: dict[str, Any]) -> dict[str, Any]:
-    """rope_parameters of a v5 config, or the equivalent built from v4 keys."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    params.setdefault("rope_type", params.pop("type", "default"))
-    params.setdefault("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
-    params.setdefault("partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", GPT_NEOX_DEFAULT_ROTARY_PCT)))
-    return params
-
-
 def model_section_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """The ``model:`` mapping of a megatron_lite config for an HF GPT-NeoX / megatron_lite_gpt config.json."""
+    """The ``model:`` mapping of a megatron_lite config for an HF config.json of either family."""
     model_type = hf.get("model_type")
+    if model_type in hf_llama.LLAMA_MODEL_TYPES:
+        return hf_llama.llama_model_section(hf)
     if model_type not in (STOCK_MODEL_TYPE, REMOTE_MODEL_TYPE):
-        raise ValueError(f"config.json model_type={model_type!r}: only {STOCK_MODEL_TYPE!r} (GPT-NeoX, e.g. Pythia) "
-                         f"and {REMOTE_MODEL_TYPE!r} models can be converted")
+        supported = ", ".join(repr(name) for name in (STOCK_MODEL_TYPE, REMOTE_MODEL_TYPE, *hf_llama.LLAMA_MODEL_TYPES))
+        raise ValueError(f"config.json model_type={model_type!r}: supported are {supported} (GPT-NeoX/Pythia, "
+                         "LLaMA, Mistral, Qwen2 and megatron_lite exports)")
     if not hf.get("attention_bias", True):
         raise ValueError("config.json attention_bias=false: megatron_lite attention always has biases")
     activation = hf.get("hidden_act", "gelu")
     if activation not in ACTIVATIONS_FROM_HF:
         raise ValueError(f"config.json hidden_act={activation!r}: supported are {', '.join(ACTIVATIONS_FROM_HF)}")
-    rope = _rope_settings(hf)
-    rotary_pct = float(rope["partial_rotary_factor"])
-    scheme = hf.get("position_scheme") or ("none" if rotary_pct == 0 else "rope")
-    max_positions = int(hf.get("max_position_embeddings", 2048))
-    seq_length, scaling = max_positions, {"type": "none"}
-    kind = rope["rope_type"]
-    if scheme in ROTARY_SCHEMES:
-        if kind == "linear":
-            scaling = {"type": "linear", "factor": float(rope["factor"])}
-        elif kind == "dynamic":
-            scaling = {"type": "dynamic", "factor": float(rope["factor"])}
-        elif kind == "yarn":
-            seq_length = int(rope.get("original_max_position_embeddings") or max_positions)
-            scaling = {"type": "yarn", "factor": float(rope["factor"]), "beta_fast": float(rope.get("beta_fast") or 32),
-                       "beta_slow": float(rope.get("beta_slow") or 1)}
-        elif kind != "default":
-            raise ValueError(f"config.json rope_parameters.rope_type={kind!r}: supported are default, linear, dynamic, yarn")
+    rope = rope_settings(hf, GPT_NEOX_DEFAULT_ROTARY_PCT)
+    scheme = hf.get("position_scheme") or ("none" if float(rope["partial_rotary_factor"]) == 0 else "rope")
+    position, seq_length, max_positions = position_section(hf, rope, scheme)
     vocab_size = int(hf["vocab_size"])
-    position: dict[str, Any] = {"scheme": scheme, "scaling": scaling, "rotary_emb_base": float(rope["rope_theta"])}
-    if scheme != "none":  # written for every scheme by our exporter; only rope/coca use it
-        position["rotary_pct"] = rotary_pct
-    if scheme == "coca":
-        position["constraint"] = hf.get("coca_constraint", "slack")
     return {
         "num_layers": int(hf["num_hidden_layers"]),
         "hidden_size": int(hf["hidden_size"]),

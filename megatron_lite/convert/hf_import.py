@@ -1,4 +1,5 @@
-"""Read a Hugging Face GPT-NeoX (e.g. Pythia) or megatron_lite_gpt model directory as megatron_lite weights.
+"""Read a Hugging Face model directory as megatron_lite weights: GPT-NeoX (e.g. Pythia), Llama, Mistral (full
+attention), Qwen2, and our megatron_lite_gpt / megatron_lite_llama exports.
 
 Weights come from ``model.safetensors`` (or its sharded index); legacy ``pytorch_model.bin`` files
 are read with ``torch.load(weights_only=True)``, which refuses arbitrary pickled objects. Every
@@ -26,13 +27,15 @@ from megatron_lite.console import notice
 from megatron_lite.convert.hf_config import hf_config_fields, model_section_from_hf
 from megatron_lite.convert.hf_export import TRAINING_CONFIG_FILE
 from megatron_lite.convert.hf_names import from_hf_state
+from megatron_lite.weights import read_weight_file
 from megatron_lite.convert.hf_tokenizer import SENTENCEPIECE_FILE, TOKENIZER_JSON
 
 # Model keys that describe training, not the architecture: kept from megatron_lite_config.yml.
 TRAINING_ONLY_MODEL_KEYS = ("init_method", "output_layer_init_method", "checkpoint_activations", "attention", "norm")
 
 
-def _weight_files(hf_dir: Path) -> list[Path]:
+def hf_weight_files(hf_dir: Path) -> list[Path]:
+    """The weight files of an HF dir: the shards its index names, or its single file."""
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         index = hf_dir / index_name
         if index.is_file():
@@ -45,14 +48,9 @@ def _weight_files(hf_dir: Path) -> list[Path]:
 
 
 def load_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     state: dict[str, torch.Tensor] = {}
-    for path in _weight_files(hf_dir):
-        if path.suffix == ".safetensors":
-            state.update(load_file(str(path)))
-        else:
-            state.update(torch.load(path, map_location="cpu", weights_only=True))
+    for path in hf_weight_files(hf_dir):
+        state.update(read_weight_file(path))
     return state
 
 
@@ -75,18 +73,27 @@ def _config_from_hf(hf_dir: Path, hf: dict[str, Any]) -> Config:
     return config_lib.from_dict(data)
 
 
-def import_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], Config, Path | None]:
-    """(fp32-or-stored-dtype weights under megatron_lite names, config, SentencePiece model or None)."""
-    hf_dir = Path(path)
+def read_hf_config(hf_dir: Path) -> Config:
+    """The megatron_lite config of an HF model dir (see the module docstring)."""
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{hf_dir}: no config.json, not a Hugging Face model directory")
-    config = _config_from_hf(hf_dir, json.loads(config_file.read_text()))
+    return _config_from_hf(hf_dir, json.loads(config_file.read_text()))
+
+
+def import_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], Config, Path | None]:
+    """(fp32-or-stored-dtype weights under megatron_lite names, config, tokenizer file or None: hf_tokenizer_file)."""
+    hf_dir = Path(path)
+    config = read_hf_config(hf_dir)
     state = from_hf_state(load_hf_weights(hf_dir), config.model, str(hf_dir))
-    tokenizer = hf_dir / SENTENCEPIECE_FILE
-    if tokenizer.is_file():
-        return state, config, tokenizer
-    if (hf_dir / TOKENIZER_JSON).is_file():
-        notice(f"{hf_dir}: the tokenizer is not a SentencePiece model (no {SENTENCEPIECE_FILE}); it is not "
-               "carried over — megatron_lite's data pipeline needs data.tokenizer.model", stacklevel=2)
-    return state, config, None
+    return state, config, hf_tokenizer_file(hf_dir)
+
+
+def hf_tokenizer_file(hf_dir: Path) -> Path | None:
+    """The tokenizer to carry: the original tokenizer.model of a dir our exporter wrote (its tokenizer.json
+    is a conversion of it), else the model's tokenizer.json (what transformers loads; its
+    tokenizer_config.json travels with it), else a lone tokenizer.model; None when there is none."""
+    sentencepiece, fast = hf_dir / SENTENCEPIECE_FILE, hf_dir / TOKENIZER_JSON
+    if sentencepiece.is_file() and ((hf_dir / TRAINING_CONFIG_FILE).is_file() or not fast.is_file()):
+        return sentencepiece
+    return fast if fast.is_file() else None

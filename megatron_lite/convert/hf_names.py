@@ -18,6 +18,17 @@ its conversion mapping (``conversion_mapping.py``: ``^embed_out.`` -> ``lm_head.
 ``embed_out.weight``, the name of transformers v4 and of every Pythia checkpoint on the Hub. We
 write that name too (v4 and v5 both load it, and the remote-code model names its head
 ``embed_out``), and read either name.
+
+The LLaMA family (``LlamaForCausalLM``, ``Qwen2ForCausalLM``, our ``megatron_lite_llama`` remote code) keeps
+HF's names inside a block, so again only prefixes change and nothing is permuted (HF Llama checkpoints
+already use the rotate-half rotary layout that megatron_lite uses):
+
+    megatron_lite                      Hugging Face
+    embed_in.weight                    model.embed_tokens.weight
+    position.embedding.weight          model.embed_positions.weight           (learned scheme only)
+    layers.N.<...>                     model.layers.N.<...>   (self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj)
+    final_layer_norm.weight            model.norm.weight
+    lm_head.weight                     lm_head.weight
 """
 
 from __future__ import annotations
@@ -37,7 +48,16 @@ HF_IN_MEMORY_LM_HEAD = "lm_head.weight"  # transformers v5 module name, found in
 IGNORED_HF_SUFFIXES = (".attention.bias", ".attention.masked_bias", "rotary_emb.inv_freq")
 
 
-def framework_to_hf_name(name: str) -> str:
+# LLaMA family: megatron_lite name -> HF name for the tensors outside the blocks.
+LLAMA_PREFIX = "model."
+LLAMA_TOP_LEVEL = {"embed_in.weight": "model.embed_tokens.weight", "final_layer_norm.weight": "model.norm.weight",
+                   LM_HEAD: LM_HEAD, FRAMEWORK_POSITION_TABLE: "model.embed_positions.weight"}
+LLAMA_TOP_LEVEL_FROM_HF = {hf: ours for ours, hf in LLAMA_TOP_LEVEL.items()}
+
+
+def framework_to_hf_name(name: str, llama: bool = False) -> str:
+    if llama:
+        return LLAMA_TOP_LEVEL.get(name, LLAMA_PREFIX + name)
     if name == LM_HEAD:
         return HF_LM_HEAD
     if name == FRAMEWORK_POSITION_TABLE:
@@ -45,7 +65,11 @@ def framework_to_hf_name(name: str) -> str:
     return HF_PREFIX + name
 
 
-def hf_to_framework_name(name: str) -> str:
+def hf_to_framework_name(name: str, llama: bool = False) -> str:
+    if llama:
+        if name in LLAMA_TOP_LEVEL_FROM_HF:
+            return LLAMA_TOP_LEVEL_FROM_HF[name]
+        return name[len(LLAMA_PREFIX):] if name.startswith(LLAMA_PREFIX) else name
     if name in (HF_LM_HEAD, HF_IN_MEMORY_LM_HEAD):
         return LM_HEAD
     if name == HF_POSITION_TABLE:
@@ -59,12 +83,14 @@ def to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str,
     """HF names; a tied LM head is left out, as ``save_pretrained`` does."""
     check_tensors(state, expected_shapes(model), "megatron_lite weights")
     tied = not model.no_weight_tying
-    return {framework_to_hf_name(name): tensor for name, tensor in state.items() if not (tied and name == LM_HEAD)}
+    return {framework_to_hf_name(name, model.is_llama): tensor for name, tensor in state.items()
+            if not (tied and name == LM_HEAD)}
 
 
 def from_hf_state(hf_state: dict[str, torch.Tensor], model: ModelConfig, source: str) -> dict[str, torch.Tensor]:
     """megatron_lite names, checked against ``model``; a tied head is restored from the embedding."""
-    state = {hf_to_framework_name(name): tensor for name, tensor in hf_state.items() if not name.endswith(IGNORED_HF_SUFFIXES)}
+    state = {hf_to_framework_name(name, model.is_llama): tensor for name, tensor in hf_state.items()
+             if not name.endswith(IGNORED_HF_SUFFIXES)}
     if not model.no_weight_tying and LM_HEAD not in state and "embed_in.weight" in state:
         state[LM_HEAD] = state["embed_in.weight"]
     check_tensors(state, expected_shapes(model), source)

@@ -15,6 +15,11 @@ Two differences, both HF conventions: the text "<|endoftext|>" is matched as the
 (SentencePiece treats control symbols in text as plain characters; pass
 ``split_special_tokens=True`` to HF to get that behaviour), and like SentencePiece itself the text
 character "▁" decodes as a space. The original ``tokenizer.model`` is copied alongside.
+
+A checkpoint whose tokenizer already is a Hugging Face ``tokenizer.json`` (imported from an HF model,
+or trained on data tokenised with one) is exported as it is: the file copied, with the
+tokenizer_config.json it came with (else one written from its EOS/BOS/PAD), and the model config's
+special ids taken from it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from typing import Any
 
 import sentencepiece as spm
 
-from megatron_lite.data.tokenizer import Tokenizer
+from megatron_lite.checkpoint_dirs import copy_tokenizer
+from megatron_lite.data.hf_tokenizer import HFTokenizer
+from megatron_lite.data.tokenizer import Tokenizer, load_tokenizer
 
 SPACE_MARKER = "▁"
 TOKENIZER_JSON = "tokenizer.json"
@@ -70,8 +77,33 @@ def build_fast_tokenizer(model_file: str | Path) -> Any:
 
 
 def write_hf_tokenizer(model_file: str | Path, out_dir: Path) -> dict[str, int | None]:
-    """tokenizer.json + tokenizer_config.json + tokenizer.model; returns the special ids for the model config."""
-    tokenizer = Tokenizer(model_file)
+    """tokenizer.json + tokenizer_config.json (+ tokenizer.model for SentencePiece); returns the special ids
+    for the model config."""
+    tokenizer = load_tokenizer(model_file)
+    if isinstance(tokenizer, HFTokenizer):
+        return _copy_hf_tokenizer(tokenizer, out_dir)
+    return _write_sentencepiece(tokenizer, out_dir)
+
+
+def _copy_hf_tokenizer(tokenizer: HFTokenizer, out_dir: Path) -> dict[str, int | None]:
+    """The tokenizer.json as it is, with its own tokenizer_config.json or one naming its EOS/BOS/PAD."""
+    written = copy_tokenizer(tokenizer.path, out_dir)
+    if not any(path.name == TOKENIZER_CONFIG_JSON for path in written):
+        settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                    "eos_token": tokenizer.id_to_piece(tokenizer.eod_id),
+                                    "clean_up_tokenization_spaces": False}
+        if tokenizer.bos_id is not None:
+            settings["bos_token"] = tokenizer.id_to_piece(tokenizer.bos_id)
+        if tokenizer.pad_token_id is not None:
+            settings["pad_token"] = tokenizer.id_to_piece(tokenizer.pad_token_id)
+        (out_dir / TOKENIZER_CONFIG_JSON).write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
+    bos = tokenizer.bos_id if tokenizer.bos_id is not None else (tokenizer.prefix_ids or [tokenizer.eod_id])[0]
+    return {"bos_token_id": bos, "eos_token_id": tokenizer.eod_id, "pad_token_id": tokenizer.pad_token_id}
+
+
+def _write_sentencepiece(tokenizer: Tokenizer, out_dir: Path) -> dict[str, int | None]:
+    """Our SentencePiece model as tokenizer.json (build_fast_tokenizer), with the original beside it."""
+    model_file = tokenizer.path
     build_fast_tokenizer(model_file).save(str(out_dir / TOKENIZER_JSON))
     shutil.copyfile(model_file, out_dir / SENTENCEPIECE_FILE)
     eos_piece, pad_piece = tokenizer.id_to_piece(tokenizer.eod_id), tokenizer.id_to_piece(tokenizer.pad_id)

@@ -296,10 +296,11 @@ def data_report(data: DataConfig, seq_length: int, manifest: Manifest, num_sampl
 
 
 def decode_tokens(token_ids: Sequence[int], cache_dir: str | os.PathLike[str], manifest: Manifest) -> str | None:
-    """Text of ``token_ids`` with the manifest's SentencePiece model; None when the cache has none."""
+    """Text of ``token_ids`` with the manifest's tokenizer (SentencePiece or tokenizer.json); None when the
+    cache has none."""
     path = Path(cache_dir) / manifest.tokenizer.path
     if not path.is_file():
         return None
-    import sentencepiece
+    from megatron_lite.data.tokenizer import load_tokenizer
 
-    return sentencepiece.SentencePieceProcessor(model_file=str(path)).decode([int(t) for t in token_ids])
+    return load_tokenizer(path).decode(token_ids)

@@ -1,7 +1,8 @@
 """The contract between preprocessing and loading: what was tokenised, where, with which tokenizer.
 
     <data.cache_dir>/
-      tokenizer/tokenizer.model          SentencePiece model (trained or copied)
+      tokenizer/tokenizer.model          SentencePiece model (trained or copied), or
+      tokenizer/tokenizer.json           a Hugging Face tokenizer (copied, + its tokenizer_config.json)
       shards/<source>/<source>_<k>_text_document.{bin,idx}   MMIDIDX shards, k = 00000, 00001, ...
       manifest.json                      this file (written last, atomically)
       index/                             cached sample orders (.npy), written by the loader
@@ -42,7 +43,7 @@ class SourceRecord:
 @dataclass
 class TokenizerRecord:
     path: str  # relative to the cache dir
-    sha256: str
+    sha256: str  # identity: the file's sha256 (tokenizer.json: folded with its tokenizer_config.json's)
     vocab_size: int
     eod_id: int
     pad_id: int

@@ -3,8 +3,9 @@
 Nothing is copied or re-tokenised. Each shard is opened (its index validated), its ``.bin`` read once
 for the sha256 and the token-id range, and it is recorded in the manifest under its absolute prefix;
 preprocessing stamps it as verified, so training does not read it again. Token ids mean something
-only with the tokenizer that made them, so the source declares that model (``tokenizer``) and it must
-be the run's ``data.tokenizer.model``, byte for byte. A merged set without document boundaries
+only with the tokenizer that made them, so the source declares that tokenizer (``tokenizer``: a
+SentencePiece model, a tokenizer.json or a directory holding one) and it must be the run's
+``data.tokenizer.model``, byte for byte (a tokenizer.json together with its tokenizer_config.json). A merged set without document boundaries
 (doc_idx = [0], GPT-NeoX ``merge_datasets.py``) is read as one document per sequence, with a notice.
 """
 
@@ -16,12 +17,22 @@ from tqdm import tqdm
 
 from megatron_lite.config import DataConfig, MixConfig, SourceConfig
 from megatron_lite.console import notice
+from megatron_lite.data.hf_tokenizer import tokenizer_sha256
 from megatron_lite.data.indexed import IndexedDataset, data_file_path
 from megatron_lite.data.manifest import ShardRecord, SourceRecord
 from megatron_lite.data.mix import megatron_sources
 from megatron_lite.data.sources import megatron_prefixes
 from megatron_lite.data.verify import PROGRESS_BYTES, id_range_problem, scan_bin
 from megatron_lite.files import file_sha256
+
+
+def _identity(path: str, origin: str) -> str:
+    if not os.path.exists(path):
+        raise ValueError(f"{origin}={path!r}: file does not exist")
+    try:
+        return tokenizer_sha256(path)
+    except ValueError as error:
+        raise ValueError(f"{origin}={path!r}: {error}") from None
 
 
 def check_tokenizer(data: DataConfig, mix: MixConfig) -> None:
@@ -33,10 +44,8 @@ def check_tokenizer(data: DataConfig, mix: MixConfig) -> None:
     model = data.tokenizer.model
     if not model:
         raise ValueError(f"data.tokenizer.model is required by the type megatron source(s) {', '.join(names)}: set "
-                         "it to the SentencePiece model the shards were made with (none can be trained from token ids)")
-    if not os.path.isfile(model):
-        raise ValueError(f"data.tokenizer.model={model!r}: file does not exist")
-    run_sha = file_sha256(model)
+                         "it to the tokenizer the shards were made with (none can be trained from token ids)")
+    run_sha = _identity(model, "data.tokenizer.model")
     hashes: dict[str, str] = {}  # declared path -> sha256, each file hashed once
     for group in mix.groups.values():
         for name, source in group.sources.items():
@@ -44,9 +53,7 @@ def check_tokenizer(data: DataConfig, mix: MixConfig) -> None:
                 continue
             declared = str(source.tokenizer)
             if declared not in hashes:
-                if not os.path.isfile(declared):
-                    raise ValueError(f"source {name}: tokenizer={declared!r}: file does not exist")
-                hashes[declared] = file_sha256(declared)
+                hashes[declared] = _identity(declared, f"source {name}: tokenizer")
             if hashes[declared] != run_sha:
                 raise ValueError(f"source {name}: tokenizer {declared} differs from data.tokenizer.model {model} "
                                  f"(sha256 {hashes[declared][:12]} vs {run_sha[:12]}); the shards' token ids need "

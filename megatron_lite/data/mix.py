@@ -60,7 +60,7 @@ def validate_mix(mix: MixConfig, origin: str = "mix") -> MixConfig:
 def _check_megatron(source: SourceConfig, origin: str, key: str) -> None:
     """Shards carry token ids, so the tokenizer that made them must be declared (and match the run's)."""
     if not source.tokenizer:
-        raise ValueError(f"{origin}: {key}.tokenizer is required for type megatron (the SentencePiece model "
+        raise ValueError(f"{origin}: {key}.tokenizer is required for type megatron (the tokenizer "
                          "the shards were tokenised with)")
     if source.max_documents is not None:
         raise ValueError(f"{origin}: {key}.max_documents does not apply to type megatron (shards are read whole); "

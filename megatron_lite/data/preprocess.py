@@ -2,7 +2,8 @@
 
 ``prepare_data(config.data, config.model.vocab_size)`` is the one entry point
 (tools/preprocess_data.py, data/*/prepare.py and the training loop call it): tokenizer first
-(trained from the mix, or the configured model copied into the cache), then each source. It is
+(trained from the mix, or the configured SentencePiece model / Hugging Face tokenizer.json copied into
+the cache), then each source. It is
 idempotent: a source whose manifest entry is complete for the same source-config hash (settings +
 local input fingerprint) and tokenizer hash is not read again, and an interrupted source resumes
 after its last finished shard.
@@ -36,7 +37,7 @@ from megatron_lite.data.megatron_source import ingest_source
 from megatron_lite.data.mix import load_mix
 from megatron_lite.data.records import BadRecord
 from megatron_lite.data.sources import input_fingerprint, read_source, source_settings
-from megatron_lite.data.tokenizer import TOKENIZER_FILE, Tokenizer, ensure_tokenizer
+from megatron_lite.data.tokenizer import AnyTokenizer, ensure_tokenizer, load_tokenizer
 from megatron_lite.data.verify import write_stamp
 from megatron_lite.files import file_sha256, json_sha256
 
@@ -57,13 +58,14 @@ _WORKER: dict[str, Any] = {}
 
 
 def _init_worker(model_path: str, dtype: str) -> None:
-    _WORKER["tokenizer"], _WORKER["dtype"] = Tokenizer(model_path), np.dtype(dtype)
+    _WORKER["tokenizer"], _WORKER["dtype"] = load_tokenizer(model_path), np.dtype(dtype)
 
 
 def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens of all documents, EOD appended to each, in the shard dtype; (documents,) lengths)."""
-    tokenizer: Tokenizer = _WORKER["tokenizer"]
-    ids = tokenizer.encode_batch(texts)
+    """(tokens of all documents, EOD appended to each, in the shard dtype; (documents,) lengths).
+    A Hugging Face tokenizer's post-processor specials (BOS) come with each document (encode_documents)."""
+    tokenizer: AnyTokenizer = _WORKER["tokenizer"]
+    ids = tokenizer.encode_documents(texts)
     lengths = np.fromiter((len(doc) + 1 for doc in ids), dtype=np.int64, count=len(ids))
     tokens = np.empty(int(lengths.sum()), dtype=_WORKER["dtype"])
     ends = np.cumsum(lengths)
@@ -80,7 +82,7 @@ class _Encoder:
     ``4 * workers`` chunks in flight keeps memory flat on sources of any size.
     """
 
-    def __init__(self, tokenizer: Tokenizer, dtype: np.dtype, workers: int) -> None:
+    def __init__(self, tokenizer: AnyTokenizer, dtype: np.dtype, workers: int) -> None:
         self._args = (str(tokenizer.path), dtype.str)
         self.workers = workers
         self._pool: Any = None
@@ -323,7 +325,8 @@ def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, 
     old = _previous_manifest(cache_dir)
     same_tokenizer = old is not None and old.tokenizer.sha256 == tokenizer.sha256 and not force
     manifest = Manifest(
-        tokenizer=TokenizerRecord(path=TOKENIZER_FILE, sha256=tokenizer.sha256, vocab_size=tokenizer.vocab_size,
+        tokenizer=TokenizerRecord(path=tokenizer.path.relative_to(cache_dir).as_posix(), sha256=tokenizer.sha256,
+                                  vocab_size=tokenizer.vocab_size,
                                   eod_id=tokenizer.eod_id, pad_id=tokenizer.pad_id),
         # Until rebuilt, sources keep their old entries, so an interruption loses nothing finished.
         sources=copy.deepcopy(old.sources) if same_tokenizer and old is not None else {},

@@ -16,6 +16,10 @@ Settings and why (checked by tests/test_tokenizer.py):
 
 Known limit: the text character U+2581 (``▁``) is SentencePiece's space marker and decodes as a
 space, as in every SentencePiece model.
+
+``data.tokenizer.model`` may instead name a Hugging Face ``tokenizer.json`` (or a directory holding
+one): ``load_tokenizer`` returns an ``HFTokenizer`` (megatron_lite/data/hf_tokenizer.py) with the
+same interface, EOD = its EOS, BOS where its post-processor adds one.
 """
 
 from __future__ import annotations
@@ -28,14 +32,16 @@ import sys
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Union
 
 import sentencepiece as spm
 from tqdm import tqdm
 
-from megatron_lite.config import DataConfig, MixConfig
+from megatron_lite.checkpoint_dirs import HF_TOKENIZER_CONFIG_FILE, TOKENIZER_FILES, tokenizer_companions, tokenizer_file_name
+from megatron_lite.config import DataConfig, MixConfig, ModelConfig
 from megatron_lite.console import notice
 from megatron_lite.data.cleaning import Cleaner
+from megatron_lite.data.hf_tokenizer import HFTokenizer, is_hf_tokenizer, resolve_tokenizer_path
 from megatron_lite.data.megatron_source import check_tokenizer as check_megatron_tokenizer
 from megatron_lite.data.mix import group_weights, load_mix
 from megatron_lite.data.records import Document
@@ -73,6 +79,10 @@ TRAINER_SETTINGS: dict[str, Any] = {
 class Tokenizer:
     """A SentencePiece model file with the EOD/PAD ids the data pipeline needs."""
 
+    kind: Literal["sentencepiece", "hf"] = "sentencepiece"
+    bos_id: int | None = None  # documents are separated by EOD only (GPT-NeoX convention)
+    prefix_ids: list[int] = []  # nothing before a document's text (HFTokenizer: its BOS, if any); never mutated
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         if not self.path.is_file():
@@ -107,6 +117,14 @@ class Tokenizer:
         """One call for many texts; one thread by default (preprocessing parallelises by process)."""
         return self._sp.encode(list(texts), num_threads=num_threads)
 
+    def encode_documents(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each document as the shards hold it, without the final EOD (appended by the caller)."""
+        return self.encode_batch(texts)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """The start of a document: just the text (no BOS)."""
+        return self.encode(text)
+
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
@@ -122,6 +140,51 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, eod_id={self.eod_id}, pad_id={self.pad_id})"
+
+
+AnyTokenizer = Union[Tokenizer, HFTokenizer]  # one interface: encode*, decode, vocab_size, eod/pad/bos ids
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> AnyTokenizer:
+    """The tokenizer ``path`` names: a SentencePiece ``.model``, a ``tokenizer.json``, or a directory holding
+    one of them (an HF tokenizer / model dir, a checkpoint). ValueError naming the path otherwise."""
+    resolved = resolve_tokenizer_path(path)
+    return HFTokenizer(resolved) if is_hf_tokenizer(resolved) else Tokenizer(resolved)
+
+
+def check_vocab_fits(tokenizer: AnyTokenizer, vocab_size: int, origin: str) -> None:
+    """Every id the tokenizer can produce must have an embedding row: one-line ValueError otherwise.
+    ``origin`` names where the tokenizer came from (e.g. "data.tokenizer.model='tok.json'")."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"model.vocab_size={vocab_size}: tokenizer {origin} has {tokenizer.vocab_size} pieces "
+                         f"(added tokens included), ids would not fit the embedding; set model.vocab_size >= "
+                         f"{tokenizer.vocab_size} or use another tokenizer")
+
+
+def check_document_mask(eod_id: int, model: ModelConfig, origin: str) -> None:
+    """Document masking splits at model.attention.eod_token_id: it must be the tokenizer's EOD ``eod_id``."""
+    attention = model.attention
+    if attention.document_mask and attention.eod_token_id != eod_id:
+        raise ValueError(f"model.attention.eod_token_id={attention.eod_token_id}: the tokenizer ({origin}) ends "
+                         f"documents with id {eod_id}; set model.attention.eod_token_id={eod_id} (it must be the "
+                         "EOD for model.attention.document_mask)")
+
+
+def model_tokenizer(explicit: str | os.PathLike[str] | None, carried: Path | None, model: ModelConfig,
+                    checkpoint: str) -> AnyTokenizer:
+    """The tokenizer to run a loaded checkpoint with (generate, evaluation): ``explicit`` (--tokenizer) or the
+    one the checkpoint carries; its ids must fit the model's embedding rows and its EOD the document mask."""
+    path = explicit or carried
+    if path is None:
+        raise ValueError(f"{checkpoint}: the checkpoint carries no tokenizer (tokenizer.model or tokenizer.json); "
+                         "pass --tokenizer")
+    origin = f"--tokenizer {explicit}" if explicit else str(carried)
+    tokenizer = load_tokenizer(path)
+    if tokenizer.vocab_size > model.padded_vocab_size:
+        raise ValueError(f"{origin}: {tokenizer.vocab_size} tokens do not fit the model's {model.padded_vocab_size} "
+                         "embedding rows")
+    check_document_mask(tokenizer.eod_id, model, origin)
+    return tokenizer
 
 
 def training_sentences(texts: Iterable[str], chunk_chars: int = SENTENCE_CHARS) -> Iterator[str]:
@@ -261,25 +324,53 @@ def _tokenizer_spec(data: DataConfig, vocab_size: int, mix: MixConfig) -> dict[s
             "mix": _mix_settings(mix), "trainer": TRAINER_SETTINGS, "version": SPEC_VERSION}
 
 
+def _remove_tokenizers(directory: Path, keep: set[str]) -> None:
+    """Drop the cache's tokenizer files other than ``keep``: one tokenizer per cache, never two to choose from."""
+    for name in (*TOKENIZER_FILES, HF_TOKENIZER_CONFIG_FILE):
+        if name not in keep:
+            (directory / name).unlink(missing_ok=True)
+
+
+def _install_tokenizer(source: Path, directory: Path) -> Path:
+    """Copy a given tokenizer (and its tokenizer_config.json) into the cache under the checkpoint names,
+    atomically and only when the bytes differ; returns the cached tokenizer file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files = tokenizer_companions(source)
+    targets = [directory / tokenizer_file_name(source)] + [directory / HF_TOKENIZER_CONFIG_FILE] * (len(files) - 1)
+    _remove_tokenizers(directory, keep={target.name for target in targets})
+    for file, target in zip(files, targets):
+        if not target.is_file() or file_sha256(file) != file_sha256(target):
+            copy_file_atomic(file, target)
+    return targets[0]
+
+
 def ensure_tokenizer(data: DataConfig, vocab_size: int, mix: MixConfig | None = None, *, retrain: bool = False,
-                     progress: bool = True) -> Tokenizer:
-    """The cache's tokenizer: a copy of ``data.tokenizer.model``, or one trained from the mix
-    (reused while the vocabulary size, sample size, mix and trainer settings are unchanged); ``vocab_size``
-    is model.vocab_size, ``mix`` data.mix parsed (parsed here when not given)."""
+                     progress: bool = True) -> AnyTokenizer:
+    """The cache's tokenizer: a copy of ``data.tokenizer.model`` (SentencePiece, or a Hugging Face
+    tokenizer.json with its tokenizer_config.json), or a SentencePiece model trained from the mix (reused
+    while the vocabulary size, sample size, mix and trainer settings are unchanged); ``vocab_size`` is
+    model.vocab_size (the tokenizer must fit it), ``mix`` data.mix parsed (parsed here when not given)."""
     mix = mix if mix is not None else load_mix(data.mix)
     check_megatron_tokenizer(data, mix)  # pre-tokenised shards: the model is given, never trained
     cache_dir = Path(data.cache_dir)
     target, spec_path = cache_dir / TOKENIZER_FILE, cache_dir / TOKENIZER_SPEC_FILE
     given = data.tokenizer.model
+    origin = f"data.tokenizer.model={given!r}"
     if given:
-        if not os.path.isfile(given):
-            raise ValueError(f"data.tokenizer.model={given!r}: file does not exist")
-        if not target.is_file() or file_sha256(given) != file_sha256(target):
-            target.parent.mkdir(parents=True, exist_ok=True)
-            copy_file_atomic(given, target)
+        if not os.path.exists(given):
+            raise ValueError(f"{origin}: file does not exist")
+        try:
+            source = resolve_tokenizer_path(given)
+        except ValueError as error:
+            raise ValueError(f"{origin}: {error}") from None
+        target = _install_tokenizer(source, target.parent)
         spec_path.unlink(missing_ok=True)  # not trained by us: a later null model must retrain
-        tokenizer = Tokenizer(target)
+        try:
+            tokenizer = load_tokenizer(target)
+        except ValueError as error:
+            raise ValueError(f"{origin}: {error}") from None
     else:
+        _remove_tokenizers(target.parent, keep={target.name})  # an earlier given tokenizer.json
         spec = json.loads(json.dumps(_tokenizer_spec(data, vocab_size, mix)))  # normalised (tuples -> lists)
         cached = spec_path.is_file() and target.is_file() and json.loads(spec_path.read_text()) == spec
         if cached and not retrain:
@@ -292,9 +383,7 @@ def ensure_tokenizer(data: DataConfig, vocab_size: int, mix: MixConfig | None = 
             if progress:
                 print(f"tokenizer: trained {tokenizer.vocab_size} pieces in {time.perf_counter() - start:.1f}s "
                       f"-> {target}", file=sys.stderr)
-    if tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"model.vocab_size={vocab_size}: tokenizer {target} has "
-                         f"{tokenizer.vocab_size} pieces, ids would not fit the embedding")
+    check_vocab_fits(tokenizer, vocab_size, origin)
     if tokenizer.vocab_size < vocab_size:
         notice(f"tokenizer {target} has {tokenizer.vocab_size} pieces, model.vocab_size="
                f"{vocab_size}: the extra embedding rows are never used", stacklevel=2)

@@ -19,7 +19,7 @@ from megatron_lite.data.cleaning import Cleaner
 from megatron_lite.config import SourceConfig
 from megatron_lite.data.records import BadRecord
 from megatron_lite.data.sources import read_source
-from megatron_lite.data.tokenizer import Tokenizer
+from megatron_lite.data.tokenizer import AnyTokenizer
 
 
 @dataclass
@@ -67,7 +67,7 @@ def source_for(spec: str, split: str = "test", text_field: str = "text", strip_g
 
 def load_documents(
     spec: str,
-    tokenizer: Tokenizer,
+    tokenizer: AnyTokenizer,
     max_doc_tokens: int,
     max_documents: int | None = None,
     strip_gutenberg: bool = False,
@@ -88,7 +88,7 @@ def load_documents(
             continue
         documents.num_read += 1
         text = cleaner(record.text, record.location)
-        tokens = tokenizer.encode(text) if text is not None else []
+        tokens = tokenizer.encode_prompt(text) if text is not None else []  # as a training document starts
         if len(tokens) < max_doc_tokens:
             documents.num_too_short += 1
             continue

@@ -75,13 +75,14 @@ def generate_text(model: GPT, tokenizer: Any, prompt: str, max_new_tokens: int, 
                   seed: int | None = None) -> list[str]:
     """Continuations of ``prompt`` (text only, prompt excluded), ending at the tokenizer's EOD.
 
-    ``tokenizer`` needs encode/decode/eod_id (megatron_lite.data.tokenizer.Tokenizer). An empty
-    prompt starts from EOD, the separator every training document follows.
+    ``tokenizer`` is a megatron_lite.data.tokenizer.AnyTokenizer (encode_prompt/decode/eod_id/prefix_ids).
+    A prompt starts a document as the training data did (a Hugging Face tokenizer's BOS, if it adds one,
+    then the text); an empty prompt starts from EOD, the separator every training document follows.
     """
     if num_samples < 1:
         raise ValueError(f"num_samples={num_samples}: must be >= 1")
     device = next(model.parameters()).device
-    prompt_ids = tokenizer.encode(prompt) if prompt else [tokenizer.eod_id]
+    prompt_ids = tokenizer.encode_prompt(prompt) if prompt else [tokenizer.eod_id, *tokenizer.prefix_ids]
     ids_BT = torch.tensor([prompt_ids] * num_samples, dtype=torch.long, device=device)
     generator = None
     if seed is not None:

@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from megatron_lite import config as config_lib
 from megatron_lite.checkpoint_dirs import resolve_checkpoint
-from megatron_lite.data.tokenizer import Tokenizer
+from megatron_lite.config import RopeScalingConfig
+from megatron_lite.data.tokenizer import AnyTokenizer, model_tokenizer
 from megatron_lite.eval.documents import EvalDocuments, load_documents
 from megatron_lite.eval.passkey import NUM_NEW_TOKENS, PasskeyPromptBuilder, run_passkey, summarize_cases
 from megatron_lite.eval.perplexity import num_windows, sliding_window_perplexity
@@ -194,13 +195,14 @@ class LongContextEvaluation:
         self.perplexity_rows: list[dict[str, Any]] = []
         self.passkey_rows: list[dict[str, Any]] = []
         self.passkey_cases: list[dict[str, Any]] = []
+        self.own_scalings: dict[str, RopeScalingConfig] = {}  # each model's scaling as trained, by entry name
 
     def log(self, message: str) -> None:
         if self.settings.progress:
             print(message, file=sys.stderr, flush=True)
 
     # -- models --------------------------------------------------------------------------------
-    def load(self, entry: ModelEntry) -> tuple[GPT, Tokenizer]:
+    def load(self, entry: ModelEntry) -> tuple[GPT, AnyTokenizer]:
         settings = self.settings
         if entry.loaded is None:
             entry.loaded = load_model(entry.path, settings.device, DTYPES[settings.dtype], settings.overrides or None)
@@ -211,13 +213,8 @@ class LongContextEvaluation:
             self.log(f"{entry.name}: {entry.loaded.config.model.position.label}, trained on "
                      f"{entry.loaded.config.model.seq_length} tokens, from {entry.loaded.source}; "
                      f"{entry.choice.description}")
-        tokenizer_path = settings.tokenizer or entry.loaded.tokenizer_path
-        if tokenizer_path is None:
-            raise ValueError(f"--checkpoints {entry.path}: no tokenizer.model in the checkpoint; pass --tokenizer")
-        tokenizer = Tokenizer(tokenizer_path)
-        if tokenizer.vocab_size > entry.loaded.config.model.padded_vocab_size:
-            raise ValueError(f"--tokenizer {tokenizer_path}: {tokenizer.vocab_size} pieces do not fit the model's "
-                             f"{entry.loaded.config.model.padded_vocab_size} embedding rows")
+        tokenizer = model_tokenizer(settings.tokenizer, entry.loaded.tokenizer_path, entry.loaded.config.model,
+                                    f"--checkpoints {entry.path}")
         assert entry.model is not None
         return entry.model, tokenizer
 
@@ -244,7 +241,7 @@ class LongContextEvaluation:
             common.update(cases=settings.passkey_cases, seed=settings.seed)
         return fingerprint(common)
 
-    def documents_for(self, tokenizer: Tokenizer) -> EvalDocuments:
+    def documents_for(self, tokenizer: AnyTokenizer) -> EvalDocuments:
         settings = self.settings
         if tokenizer.sha256 not in self.documents:
             assert settings.ppl_docs is not None
@@ -288,10 +285,13 @@ class LongContextEvaluation:
                 self.passkey_rows.append(result)
                 self.passkey_cases.extend({"model": entry.name, "scaling": spec.name, **case} for case in cases)
 
-    def scaled_model(self, entry: ModelEntry, spec: ScalingSpec) -> tuple[GPT, Tokenizer]:
+    def scaled_model(self, entry: ModelEntry, spec: ScalingSpec) -> tuple[GPT, AnyTokenizer]:
         model, tokenizer = self.load(entry)
         if model.config.uses_rotary:
-            model.set_rope_scaling(spec.config())
+            own = self.own_scalings.setdefault(entry.name, model.config.position.scaling)
+            # "none" adds no scaling: a model fine-tuned with position interpolation, or imported with
+            # Llama-3.1's llama3 scaling, is evaluated as it was trained
+            model.set_rope_scaling(own if spec.type == "none" else spec.config())
         torch.manual_seed(self.settings.seed)
         return model, tokenizer
 

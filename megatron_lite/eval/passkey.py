@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from megatron_lite.data.tokenizer import Tokenizer
+from megatron_lite.data.tokenizer import AnyTokenizer
 from megatron_lite.eval.generation import generate
 
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
@@ -59,9 +59,9 @@ class PasskeyPrompt:
 class PasskeyPromptBuilder:
     """Token segments encoded once per tokenizer; ``build`` assembles a prompt of an exact length."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: AnyTokenizer) -> None:
         self.tokenizer = tokenizer
-        self.task_ids = tokenizer.encode(TASK + "\n")
+        self.task_ids = tokenizer.encode_prompt(TASK + "\n")  # the prompt starts a document (BOS, if any)
         self.question_ids = tokenizer.encode("\n" + QUESTION)
         self._filler_ids: list[int] = []
         self._filler_repeats = 0
@@ -119,7 +119,7 @@ class PasskeyCase:
 @torch.no_grad()
 def run_passkey(
     model: Any,
-    tokenizer: Tokenizer,
+    tokenizer: AnyTokenizer,
     length: int,
     num_cases: int,
     seed: int,

@@ -34,7 +34,8 @@ from megatron_lite.training.distributed import DistributedInfo, all_gather_objec
 from megatron_lite.weights import expected_shapes
 
 # Keys whose change on resume is allowed (with a warning): they do not change tensor shapes.
-SCHEDULE_KEYS = ("train_iters", "train_epochs", "lr", "min_lr", "warmup", "warmup_start_lr", "lr_decay_style")
+SCHEDULE_KEYS = ("train_iters", "train_epochs", "lr", "min_lr", "warmup", "warmup_start_lr", "lr_decay_style",
+                 "stages", "stage_schedule")
 
 
 @dataclass
@@ -45,6 +46,7 @@ class TrainingState:
     consumed_samples: int = 0  # global samples trained on
     skipped_steps: int = 0  # updates skipped for a non-finite loss
     total_steps: int = 0  # train_iters when saved
+    stage: int = 0  # train.stages index (0-based) of the engine that wrote the checkpoint; 0 without stages
 
     def to_client_state(self) -> dict[str, Any]:
         return {"megatron_lite": dict(self.__dict__)}
@@ -132,9 +134,9 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Co
             with _disk_full(disk_full if faults.disk_full_after_agreement else None):
                 config_lib.save(config, step_dir / checkpoint_dirs.CONFIG_FILE)
                 records.append(record_file(step_dir / checkpoint_dirs.CONFIG_FILE, dist_info.rank))
-                if tokenizer_path is not None:
-                    shutil.copyfile(tokenizer_path, step_dir / checkpoint_dirs.TOKENIZER_FILE)
-                    records.append(record_file(step_dir / checkpoint_dirs.TOKENIZER_FILE, dist_info.rank))
+                if tokenizer_path is not None:  # tokenizer.model, or tokenizer.json (+ tokenizer_config.json)
+                    records += [record_file(path, dist_info.rank)
+                                for path in checkpoint_dirs.copy_tokenizer(tokenizer_path, step_dir)]
                 write_manifest(step_dir, records)
                 marker = {**state.__dict__, "world_size": dist_info.world_size,
                           "zero_stage": config.train.zero_stage, "precision": config.precision,
@@ -236,6 +238,20 @@ def load_training_state(engine: Any, step_dir: Path, dist_info: DistributedInfo)
     if path is None or client_state is None:
         raise ValueError(f"DeepSpeed could not load the checkpoint {step_dir}")
     state = TrainingState.from_client_state(client_state)
+    _restore_rng(step_dir, dist_info)
+    return state
+
+
+def load_counters(step_dir: Path, dist_info: DistributedInfo) -> TrainingState:
+    """Counters (from the COMPLETE marker) and this rank's RNG state, without DeepSpeed's model/optimizer
+    state: a stage that starts from the checkpoint of the previous stage's last step takes only these."""
+    marker = checkpoint_dirs.read_complete_marker(step_dir)
+    fields = {name: marker[name] for name in TrainingState.__dataclass_fields__ if name in marker}
+    _restore_rng(step_dir, dist_info)
+    return TrainingState(**fields)
+
+
+def _restore_rng(step_dir: Path, dist_info: DistributedInfo) -> None:
     rng_file = _rng_file(step_dir, dist_info.rank)
     if rng_file.is_file():
         rng = safe_load(rng_file)
@@ -246,4 +262,3 @@ def load_training_state(engine: Any, step_dir: Path, dist_info: DistributedInfo)
     if missing and dist_info.is_main:  # counted over ranks: notices print on rank 0 only
         notice(f"{step_dir}: no RNG state for {int(missing)} of {dist_info.world_size} rank(s) (saved with another "
                "world size?): their RNG streams restart")
-    return state

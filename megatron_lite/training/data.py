@@ -13,6 +13,7 @@ from megatron_lite.config import Config, MixConfig
 from megatron_lite.data.loader import build_train_valid_datasets
 from megatron_lite.data.manifest import Manifest, load_manifest
 from megatron_lite.data.mix import load_mix
+from megatron_lite.data.tokenizer import check_document_mask
 from megatron_lite.data.verify import ShardVerificationError, ensure_verified
 from megatron_lite.training.deepspeed_config import BatchSizes
 from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, barrier
@@ -23,7 +24,7 @@ class TrainingData:
     manifest: Manifest
     total_steps: int
     steps_source: str  # how total_steps was chosen, for the log
-    tokenizer_path: Path
+    tokenizer_path: Path  # the cache's tokenizer.model or tokenizer.json, carried into every checkpoint
     mix: MixConfig  # data.mix, parsed once per process
 
     def loaders(self, config: Config, batch: BatchSizes, dist_info: DistributedInfo, consumed_samples: int
@@ -85,9 +86,11 @@ def prepare_training_data(config: Config, batch: BatchSizes, dist_info: Distribu
                           verify_data: bool = False) -> TrainingData:
     mix = _prepare_on_rank0(config, dist_info, verify_data)
     manifest = load_manifest(config.data.cache_dir)
+    tokenizer_path = Path(config.data.cache_dir) / manifest.tokenizer.path  # tokenizer.model or tokenizer.json
     vocab = manifest.tokenizer.vocab_size
-    if vocab > config.model.padded_vocab_size:
-        raise ValueError(f"model.vocab_size={config.model.vocab_size} (padded {config.model.padded_vocab_size}) is "
-                         f"smaller than the tokenizer's {vocab} pieces ({config.data.cache_dir}/{manifest.tokenizer.path})")
+    if vocab > config.model.vocab_size:  # prepare_data checked it; a manifest from elsewhere may not be
+        raise ValueError(f"data.tokenizer.model: the tokenizer ({tokenizer_path}) has {vocab} tokens, more than "
+                         f"model.vocab_size={config.model.vocab_size}")
+    check_document_mask(manifest.tokenizer.eod_id, config.model, str(tokenizer_path))
     steps, source = total_steps_for(config, manifest, batch, train_iters)
-    return TrainingData(manifest, steps, source, Path(config.data.cache_dir) / manifest.tokenizer.path, mix)
+    return TrainingData(manifest, steps, source, tokenizer_path, mix)

@@ -6,7 +6,11 @@ DeepSpeed stays behind ``deepspeed.initialize`` and the engine's forward/backwar
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import io
 import math
+import os
 import signal
 import sys
 import time
@@ -25,14 +29,15 @@ from megatron_lite.model import GPT
 from megatron_lite.model.params import counted_parameter_count
 from megatron_lite.training import metrics as metrics_lib
 from megatron_lite.training.checkpointing import (
-    TrainingState, check_resume_compatible, find_resume_checkpoint, load_training_state, save_checkpoint,
+    TrainingState, check_resume_compatible, find_resume_checkpoint, load_counters, load_training_state, save_checkpoint,
 )
 from megatron_lite.training.data import prepare_training_data
-from megatron_lite.training.deepspeed_config import deepspeed_config, resolve_batch_sizes
+from megatron_lite.training.deepspeed_config import BatchSizes, deepspeed_config, resolve_batch_sizes
 from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, init_distributed
-from megatron_lite.training.optim import build_optimizer
-from megatron_lite.training.schedule import learning_rate
-from megatron_lite.weights import load_state_dict, load_weights
+from megatron_lite.training.optim import SkippableAdamW, build_optimizer
+from megatron_lite.training.schedule import run_learning_rate
+from megatron_lite.training.stages import Selection, Stage, apply_selection, plan_stages, select, stage_at, stage_summary
+from megatron_lite.weights import load_state_dict, load_step_state_dict, load_weights
 
 EXIT_OK = 0
 EXIT_NONFINITE = 3
@@ -164,41 +169,51 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
                  verify_data: bool = False) -> TrainingResult:
     """Train ``config`` into ``run_dir``; see README "Training" for everything it writes. ``verify_data``
     checks every shard even where the cache's stamp says it was verified (train.py --verify-data)."""
-    import deepspeed
-
     from megatron_lite.training import checkpoint_engine  # imports deepspeed
 
     dist_info = init_distributed()
     batch_sizes = resolve_batch_sizes(config, dist_info.world_size)  # ValueError before any work
+    stages = plan_stages(config.train)
+    train_iters = _staged_train_iters(stages, train_iters)
     run_dir.mkdir(parents=True, exist_ok=True)
     data = prepare_training_data(config, batch_sizes, dist_info, train_iters, verify_data=verify_data)
+    if stages:
+        data.steps_source = f"the sum of {len(stages)} train.stages"
     config.train.train_iters = data.total_steps  # resolved, so checkpoints record it
     if dist_info.is_main:
         config_lib.save(config, run_dir / checkpoint_dirs.CONFIG_FILE)
 
     resume_dir = find_resume_checkpoint(resume, run_dir, dist_info)
+    marker: dict[str, Any] = {}
     if resume_dir is not None:
         check_resume_compatible(resume_dir, config)
         marker = checkpoint_dirs.read_complete_marker(resume_dir)
         if marker["step"] >= data.total_steps:
             return _already_complete(run_dir, resume_dir, marker, data.total_steps, dist_info)
+    stage = stage_at(stages, marker.get("step", 0)) if stages else None
+    # A checkpoint holds the optimizer state of the stage that wrote it (0 in older ones); one written at the
+    # end of a stage starts the next stage from its weights, with a new engine and fresh optimizer state.
+    weights_only = stage is not None and resume_dir is not None and marker.get("stage", 0) != stage.index
     torch.manual_seed(config.seed)
-    with torch.device(dist_info.device):
-        model = GPT(config.model)  # fp32 master weights; DeepSpeed casts for bf16/fp16
+    model = _new_model(config, dist_info)
+    for each in stages:  # every stage's patterns checked now, not hours later at its start
+        select(model, each.trainable, _stage_key(each))
     if resume_dir is None and config.train.init_from:
         _load_initial_weights(model, config)
         if dist_info.is_main:
             console(f"initialised weights from {config.train.init_from}")
-    model.lm_head.fused = config.train.fused_loss
-    compiled = _compile_in_place(model, config, dist_info)
-    optimizer = build_optimizer(model, config.train)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                      config=deepspeed_config(config, batch_sizes))
+    elif weights_only:
+        assert resume_dir is not None
+        load_weights(model, _consolidated(resume_dir), f"stage start from {resume_dir}")
+    engine, optimizer, compiled, selection = _build_engine(model, config, batch_sizes, dist_info, stage)
+    del model  # the engine holds it; a stage boundary must be able to free it
     checkpoint_engine.install(engine, dist_info.rank)  # safe loads, hashed writes, no rank left in a barrier
     state = TrainingState(total_steps=data.total_steps)
     if resume_dir is not None:
-        state = load_training_state(engine, resume_dir, dist_info)
+        state = (load_counters(resume_dir, dist_info) if weights_only
+                 else load_training_state(engine, resume_dir, dist_info))
         state.total_steps = data.total_steps
+    state.stage = stage.index if stage is not None else 0
     train_loader, valid_loader = data.loaders(config, batch_sizes, dist_info, state.consumed_samples)
 
     logger = metrics_lib.MetricsLogger(config, run_dir, enabled=dist_info.is_main, start_step=state.step)
@@ -215,7 +230,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
             f"{batch_sizes.gradient_accumulation_steps} x {batch_sizes.data_parallel_size}; {data.total_steps} steps "
             f"({data.steps_source}); run dir {run_dir}"
             + (f"; resumed from {resume_dir} at step {state.step}" if resume_dir else ""))
-        console(optimizer.groups_summary)
+        _log_stage(stage, stages, selection, optimizer)
         if logger.dropped_rows:
             console(f"metrics.jsonl: dropped {logger.dropped_rows} row(s) logged after step {state.step} "
                     "by the interrupted attempt (those steps are redone)")
@@ -232,7 +247,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
     progress = _progress_bar(dist_info, state.step, data.total_steps)
     with StopRequest() as stop:
         while state.step < data.total_steps:
-            lr = learning_rate(state.step, data.total_steps, train)
+            lr = run_learning_rate(state.step, data.total_steps, train)
             _set_learning_rate(optimizer, lr)
             micro = _micro_batches(iterator, batch_sizes.gradient_accumulation_steps)
             local_loss = train_step(engine, micro, dist_info.device, inject_nonfinite=(state.step + 1) in injected)
@@ -275,17 +290,22 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
             if shown_loss is not None and log_now:
                 row = _train_row(engine, state, shown_loss, lr, throughput, flops_per_step, peak,
                                  tokens_per_step, own_grad_norm)
+                if stage is not None and selection is not None:
+                    row.update(stage=stage.index + 1, trainable_parameters=selection.trainable)
                 logger.log(row)
                 if dist_info.is_main:
                     console(metrics_lib.format_row(row, data.total_steps))
+            if train.fault_injection.kill_after_step == state.step:
+                os.kill(os.getpid(), signal.SIGKILL)
             last = state.step == data.total_steps
+            boundary = stage is not None and state.step == stage.end and not last  # the next stage starts from here
             exit_now = bool(train.exit_interval) and state.step % train.exit_interval == 0 and not last
             stopping = stop_ranks > 0 or exit_now
             side_work_start = time.perf_counter()
             if valid_loader is not None and train.eval_interval and (state.step % train.eval_interval == 0 or last):
                 result.val_loss = _run_eval(engine, valid_loader, train.eval_iters, dist_info, logger, state.step,
                                             data.total_steps)
-            if (train.save_interval and state.step % train.save_interval == 0) or last or stopping:
+            if (train.save_interval and state.step % train.save_interval == 0) or last or stopping or boundary:
                 saved = save_checkpoint(engine, run_dir, state, config, data.tokenizer_path, dist_info,
                                         train.keep_last_checkpoints)
                 result.last_checkpoint = saved or result.last_checkpoint
@@ -300,6 +320,21 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
                                 "or fix the cause, then resume with --resume auto)")
                     result.stopped_by, result.last_checkpoint = "failed_saves", last_good
                     break
+                if boundary and not saved:
+                    if dist_info.is_main:
+                        console(f"stopping: the checkpoint at the end of stage {state.stage + 1} (step {state.step}) "
+                                "failed, and the next stage starts from it; free disk space or fix the cause, then "
+                                "resume with --resume auto")
+                    result.stopped_by = "failed_saves"
+                    break
+            if boundary and not stopping:
+                assert saved and stage is not None
+                engine.destroy()
+                engine = optimizer = None  # the previous stage's model and optimizer state go before the next ones come
+                _free_memory(dist_info)
+                stage = stage_at(stages, state.step)
+                engine, optimizer, selection = _next_stage(saved, config, batch_sizes, dist_info, stage, stages)
+                state.stage = stage.index
             throughput.exclude_since(side_work_start)
             if stopping:
                 reason = "train.exit_interval" if exit_now else stop.signal_name or "a signal on another rank"
@@ -314,6 +349,78 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
         curve = metrics_lib.plot_loss_curve(logger.path, run_dir / "loss_curve.png", f"{run_dir.name}: loss")
         _print_summary(result, run_dir, curve)
     return result
+
+
+def _staged_train_iters(stages: list[Stage], train_iters: int | None) -> int | None:
+    """With train.stages the run is their steps (--train-iters may only repeat that); else unchanged."""
+    if not stages:
+        return train_iters
+    total = stages[-1].end
+    if train_iters is not None and train_iters != total:
+        raise ValueError(f"--train-iters {train_iters} conflicts with train.stages, whose steps sum to {total}")
+    return total
+
+
+def _stage_key(stage: Stage) -> str:
+    return f"train.stages[{stage.index}].trainable"
+
+
+def _new_model(config: Config, dist_info: DistributedInfo) -> GPT:
+    with torch.device(dist_info.device):
+        return GPT(config.model)  # fp32 master weights; DeepSpeed casts for bf16/fp16
+
+
+def _build_engine(model: GPT, config: Config, batch_sizes: BatchSizes, dist_info: DistributedInfo,
+                  stage: Stage | None) -> tuple[Any, SkippableAdamW, bool, Selection | None]:
+    """(engine, optimizer, compiled, the stage's selection): ``stage``'s parameters frozen first, so the
+    optimizer and DeepSpeed hold state for its trainable elements only."""
+    import deepspeed
+
+    selection = None
+    if stage is not None:
+        selection = select(model, stage.trainable, _stage_key(stage))
+        apply_selection(model, selection)
+    model.lm_head.fused = config.train.fused_loss
+    compiled = _compile_in_place(model, config, dist_info)
+    optimizer = build_optimizer(model, config.train)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(config, batch_sizes))
+    return engine, optimizer, compiled, selection
+
+
+def _free_memory(dist_info: DistributedInfo) -> None:
+    gc.collect()
+    if dist_info.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _next_stage(saved: Path, config: Config, batch_sizes: BatchSizes, dist_info: DistributedInfo, stage: Stage,
+                stages: list[Stage]) -> tuple[Any, SkippableAdamW, Selection | None]:
+    """Build ``stage`` at its start exactly as a resume from the boundary checkpoint ``saved`` does: a new
+    model with its consolidated weights, the stage's freezing, a new optimizer and engine."""
+    from megatron_lite.training import checkpoint_engine
+
+    cuda = [dist_info.device.index or 0] if dist_info.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):  # as in a resume, where the checkpoint's RNG state is restored after
+        model = _new_model(config, dist_info)
+        load_weights(model, _consolidated(saved), f"stage start from {saved}")
+        engine, optimizer, _, selection = _build_engine(model, config, batch_sizes, dist_info, stage)
+    checkpoint_engine.install(engine, dist_info.rank)
+    if dist_info.is_main:
+        _log_stage(stage, stages, selection, optimizer)
+    return engine, optimizer, selection
+
+
+def _consolidated(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's fp32 weights by DeepSpeed's consolidation, whose progress prints are left out of the log."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return load_step_state_dict(step_dir)
+
+
+def _log_stage(stage: Stage | None, stages: list[Stage], selection: Selection | None,
+               optimizer: SkippableAdamW) -> None:
+    if stage is not None and selection is not None:
+        console(stage_summary(stage, len(stages), selection))
+    console(optimizer.groups_summary)
 
 
 def _already_complete(run_dir: Path, step_dir: Path, marker: dict[str, Any], total_steps: int,

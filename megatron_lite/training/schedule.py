@@ -4,9 +4,11 @@ changes on resume take effect at once."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from megatron_lite.config import TrainConfig
+from megatron_lite.training.stages import plan_stages, stage_at
 
 
 def warmup_steps(train: TrainConfig, total_steps: int) -> int:
@@ -34,3 +36,17 @@ def learning_rate(step: int, total_steps: int, train: TrainConfig) -> float:
     if train.lr_decay_style == "cosine":
         return train.min_lr + (train.lr - train.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
     return train.lr + (train.min_lr - train.lr) * progress
+
+
+def run_learning_rate(step: int, total_steps: int, train: TrainConfig) -> float:
+    """``learning_rate`` of the run; with train.stages, that of the stage ``step`` is in, peaking at the
+    stage's lr: over the stage's own steps (stage_schedule per_stage, the schedule restarting in every
+    stage) or over the whole run (across)."""
+    stages = plan_stages(train)
+    if not stages:
+        return learning_rate(step, total_steps, train)
+    stage = stage_at(stages, step)
+    peak = dataclasses.replace(train, lr=stage.lr)
+    if train.stage_schedule == "across":
+        return learning_rate(step, total_steps, peak)
+    return learning_rate(step - stage.start, stage.steps, peak)

@@ -1,6 +1,13 @@
-"""Configuration of megatron_lite GPT models exported to Hugging Face (remote code, self-contained).
+"""Configuration of megatron_lite models exported to Hugging Face (remote code, self-contained).
 
-A GPT-NeoX configuration (same field names, same ``rope_parameters``) plus the position scheme:
+Two families, each the stock configuration (same field names, same ``rope_parameters``) plus the
+position scheme:
+
+    MegatronLiteConfig        GPT-NeoX fields  (model_type megatron_lite_gpt)
+    MegatronLiteLlamaConfig   Llama fields     (model_type megatron_lite_llama), plus ``qkv_bias``
+                              (biases on q/k/v only, as Qwen2; o_proj never has one). Llama's own
+                              ``attention_bias`` and ``mlp_bias`` stay False; ``head_dim`` and
+                              ``num_key_value_heads`` (grouped-query attention) are Llama's fields.
 
     position_scheme   none | learned | sinusoidal | alibi | rope | coca
     coca_constraint   slack | strict   (coca only)
@@ -11,10 +18,17 @@ This file is copied next to the weights by ``tools/convert_checkpoint.py --to hf
 
 from __future__ import annotations
 
-from transformers import GPTNeoXConfig
+from transformers import GPTNeoXConfig, LlamaConfig
 
 POSITION_SCHEMES = ("none", "learned", "sinusoidal", "alibi", "rope", "coca")
 COCA_CONSTRAINTS = ("slack", "strict")
+
+
+def check_position_fields(position_scheme: str, coca_constraint: str) -> None:
+    if position_scheme not in POSITION_SCHEMES:
+        raise ValueError(f"position_scheme={position_scheme!r}: must be one of {', '.join(POSITION_SCHEMES)}")
+    if coca_constraint not in COCA_CONSTRAINTS:
+        raise ValueError(f"coca_constraint={coca_constraint!r}: must be one of {', '.join(COCA_CONSTRAINTS)}")
 
 
 class MegatronLiteConfig(GPTNeoXConfig):
@@ -25,10 +39,23 @@ class MegatronLiteConfig(GPTNeoXConfig):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        if self.position_scheme not in POSITION_SCHEMES:
-            raise ValueError(f"position_scheme={self.position_scheme!r}: must be one of {', '.join(POSITION_SCHEMES)}")
-        if self.coca_constraint not in COCA_CONSTRAINTS:
-            raise ValueError(f"coca_constraint={self.coca_constraint!r}: must be one of {', '.join(COCA_CONSTRAINTS)}")
+        check_position_fields(self.position_scheme, self.coca_constraint)
 
 
-__all__ = ["MegatronLiteConfig"]
+class MegatronLiteLlamaConfig(LlamaConfig):
+    model_type = "megatron_lite_llama"
+
+    position_scheme: str = "coca"
+    coca_constraint: str = "slack"
+    qkv_bias: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        check_position_fields(self.position_scheme, self.coca_constraint)
+        # Each key/value head serves a whole group of query heads (grouped-query attention).
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+
+
+__all__ = ["MegatronLiteConfig", "MegatronLiteLlamaConfig"]
