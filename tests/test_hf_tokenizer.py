@@ -218,7 +218,7 @@ def test_trains_generates_and_converts_with_its_tokenizer(world: dict[str, Path]
     expected = tok.decode(new[: new.index(2)] if 2 in new else new)
     tool = load_script("tools/generate.py")
     assert tool.main([str(run), "--prompt", prompt, "--max-new-tokens", "12", "--temperature", "0"]) == 0
-    assert capsys.readouterr().out.endswith("\n" + prompt + expected + "\n")  # after DeepSpeed's accelerator line
+    assert capsys.readouterr().out.endswith(prompt + expected + "\n")  # DeepSpeed may print a line first
 
     # Export to Hugging Face and back: tokenizer.json and its config travel unchanged, the special ids follow.
     from megatron_lite.convert import convert_checkpoint
