@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "e.g. emozilla/pg19-test")
     parser.add_argument("--windows", default=",".join(map(str, DEFAULT_WINDOWS)), help="context windows L")
     parser.add_argument("--stride", type=int, default=512, help="sliding-window stride S")
+    parser.add_argument("--max-doc-chars", type=int, default=None,
+                        help="cut each document to this many characters before tokenising, so models with "
+                             "different tokenizers score the same text (bits per byte)")
     parser.add_argument("--max-doc-tokens", type=int, default=32768,
                         help="keep documents with at least this many tokens, truncated to it")
     parser.add_argument("--max-docs", type=int, default=100, help="use at most this many documents (paper: 100)")
@@ -64,6 +67,7 @@ def settings_from_args(args: argparse.Namespace) -> LongContextSettings:
     return LongContextSettings(
         checkpoints=args.checkpoints, out_dir=args.out, ppl_docs=args.ppl_docs,
         windows=parse_int_list(args.windows, "--windows"), stride=args.stride, max_doc_tokens=args.max_doc_tokens,
+        max_doc_chars=args.max_doc_chars,
         max_docs=args.max_docs, strip_gutenberg=args.strip_gutenberg, split=args.split, text_field=args.text_field,
         passkey_lengths=parse_int_list(args.passkey_lengths, "--passkey-lengths") if args.passkey_lengths else [],
         passkey_cases=args.passkey_cases, scalings=parse_scaling_list(args.scaling), seed=args.seed,

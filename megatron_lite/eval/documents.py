@@ -28,6 +28,8 @@ class EvalDocuments:
     max_doc_tokens: int
     names: list[str] = field(default_factory=list)
     token_ids: list[torch.Tensor] = field(default_factory=list)  # each (max_doc_tokens,) int64
+    scored_bytes: list[int] = field(default_factory=list)  # UTF-8 bytes of each document's scored text
+    max_doc_chars: int | None = None  # texts cut to this many characters before tokenising
     num_read: int = 0
     num_too_short: int = 0  # fewer than max_doc_tokens tokens: skipped (reported)
     num_bad: int = 0  # unreadable records (empty, not UTF-8, ...)
@@ -65,6 +67,12 @@ def source_for(spec: str, split: str = "test", text_field: str = "text", strip_g
     return SourceConfig(type="hf", split=split, streaming=True, **common)  # type: ignore[arg-type]
 
 
+def scored_text_bytes(tokenizer: AnyTokenizer, token_ids: list[int]) -> int:
+    """UTF-8 bytes of the text that tokens 1..N-1 stand for (token 0 is never scored): the decoded document
+    minus its decoded first token (a BOS decodes to nothing, so then it is the whole text)."""
+    return len(tokenizer.decode(token_ids).encode("utf-8")) - len(tokenizer.decode(token_ids[:1]).encode("utf-8"))
+
+
 def load_documents(
     spec: str,
     tokenizer: AnyTokenizer,
@@ -73,13 +81,18 @@ def load_documents(
     strip_gutenberg: bool = False,
     split: str = "test",
     text_field: str = "text",
+    max_doc_chars: int | None = None,
 ) -> EvalDocuments:
-    """Tokenise documents in source order; keep the first ``max_documents`` with >= max_doc_tokens tokens."""
+    """Tokenise documents in source order; keep the first ``max_documents`` with >= max_doc_tokens tokens.
+    ``max_doc_chars`` cuts every text to that many characters first, so models with different tokenizers
+    score the same text (pick --max-doc-tokens no larger than the shortest tokenisation of it)."""
     if max_doc_tokens < 2:
         raise ValueError(f"--max-doc-tokens {max_doc_tokens}: must be >= 2")
+    if max_doc_chars is not None and max_doc_chars < 1:
+        raise ValueError(f"--max-doc-chars {max_doc_chars}: must be >= 1")
     source = source_for(spec, split, text_field, strip_gutenberg)
     cleaner = Cleaner(source)
-    documents = EvalDocuments(source=spec, max_doc_tokens=max_doc_tokens)
+    documents = EvalDocuments(source=spec, max_doc_tokens=max_doc_tokens, max_doc_chars=max_doc_chars)
     for record in read_source(source, "ppl-docs"):
         if max_documents is not None and len(documents.token_ids) >= max_documents:
             break
@@ -88,12 +101,15 @@ def load_documents(
             continue
         documents.num_read += 1
         text = cleaner(record.text, record.location)
+        if text is not None and max_doc_chars is not None:
+            text = text[:max_doc_chars]
         tokens = tokenizer.encode_prompt(text) if text is not None else []  # as a training document starts
         if len(tokens) < max_doc_tokens:
             documents.num_too_short += 1
             continue
         documents.names.append(record.location)
         documents.token_ids.append(torch.tensor(tokens[:max_doc_tokens], dtype=torch.long))
+        documents.scored_bytes.append(scored_text_bytes(tokenizer, tokens[:max_doc_tokens]))
     if not documents.token_ids:
         raise ValueError(f"--ppl-docs {spec!r}: none of {documents.num_read} documents has >= --max-doc-tokens "
                          f"{max_doc_tokens} tokens; lower --max-doc-tokens")

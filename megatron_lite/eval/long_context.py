@@ -45,6 +45,7 @@ class LongContextSettings:
     windows: list[int] = field(default_factory=lambda: list(DEFAULT_WINDOWS))
     stride: int = 512
     max_doc_tokens: int = 32768
+    max_doc_chars: int | None = None  # texts cut to this many characters before tokenising (bits per byte)
     max_docs: int | None = 100
     strip_gutenberg: bool = False
     split: str = "test"
@@ -236,7 +237,8 @@ class LongContextEvaluation:
         if kind == "ppl":
             common.update(docs=settings.ppl_docs, split=settings.split, text_field=settings.text_field,
                           strip_gutenberg=settings.strip_gutenberg, max_doc_tokens=settings.max_doc_tokens,
-                          max_docs=settings.max_docs, stride=settings.stride)
+                          max_doc_chars=settings.max_doc_chars, max_docs=settings.max_docs, stride=settings.stride,
+                          row_format=2)  # 2: rows carry bits_per_byte
         else:
             common.update(cases=settings.passkey_cases, seed=settings.seed)
         return fingerprint(common)
@@ -246,7 +248,8 @@ class LongContextEvaluation:
         if tokenizer.sha256 not in self.documents:
             assert settings.ppl_docs is not None
             documents = load_documents(settings.ppl_docs, tokenizer, settings.max_doc_tokens, settings.max_docs,
-                                       settings.strip_gutenberg, settings.split, settings.text_field)
+                                       settings.strip_gutenberg, settings.split, settings.text_field,
+                                       settings.max_doc_chars)
             self.log(f"documents: {documents.summary()}")
             self.documents[tokenizer.sha256] = documents
         return self.documents[tokenizer.sha256]
@@ -315,12 +318,13 @@ class LongContextEvaluation:
                    disable=not settings.progress, leave=False)
         with bar, self.out_of_memory_advice(entry, f"evaluating {entry.name} at window {window}"):
             result = sliding_window_perplexity(model, documents.token_ids, window, settings.stride,
-                                               settings.batch_size, bar.update)
+                                               settings.batch_size, bar.update, documents.scored_bytes)
         row = {"model": entry.name, "scaling": spec.name, "window": window, "ppl": result.perplexity,
-               "tokens": result.num_tokens, "documents": len(documents.token_ids),
+               "bits_per_byte": result.bits_per_byte, "tokens": result.num_tokens, "bytes": result.num_bytes,
+               "documents": len(documents.token_ids),
                "documents_skipped": documents.num_too_short}
-        self.log(f"{entry.name} {spec.name} window {window}: ppl {result.perplexity:.3f} over "
-                 f"{result.num_tokens:,} tokens")
+        self.log(f"{entry.name} {spec.name} window {window}: ppl {result.perplexity:.3f}, "
+                 f"{result.bits_per_byte:.4f} bits per byte over {result.num_tokens:,} tokens, {result.num_bytes:,} bytes")
         return row
 
     def passkey(self, entry: ModelEntry, spec: ScalingSpec, length: int) -> dict[str, Any]:

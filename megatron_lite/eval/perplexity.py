@@ -17,7 +17,10 @@ window it feeds, so a prediction sees at most L-1 tokens and, when S = L, the fi
 window has no prediction at all and goes unscored (HF's current code subtracts one token per window
 from its count for this reason). Here that token is predicted from the last token of the window
 before it, which the model reads.
-Perplexity is exp(total NLL / total scored tokens) over all documents (token-weighted).
+Perplexity is exp(total NLL / total scored tokens) over all documents (token-weighted). Bits per
+byte is the total NLL in bits over the UTF-8 bytes of the text the scored tokens stand for (every
+token but the first of each document; ``documents.scored_text_bytes``): the unit in which models with
+different tokenizers compare on the same text (lm-evaluation-harness's ``bits_per_byte``).
 
 Every window is an independent forward at positions 0..T-1 with rope_length T (T = end - begin:
 L, except a document's last window when it is shorter): the dynamic-NTK base is the one the HF
@@ -118,12 +121,17 @@ def token_nlls(
 
 @dataclass
 class PerplexityResult:
-    nll_sum: float
+    nll_sum: float  # nats
     num_tokens: int  # scored tokens
+    num_bytes: int | None = None  # UTF-8 bytes of the scored text, when the caller gave them
 
     @property
     def perplexity(self) -> float:
         return math.exp(self.nll_sum / self.num_tokens) if self.num_tokens else float("nan")
+
+    @property
+    def bits_per_byte(self) -> float | None:
+        return self.nll_sum / math.log(2) / self.num_bytes if self.num_bytes else None
 
 
 def num_windows(num_tokens: int, window: int, stride: int) -> int:
@@ -137,12 +145,14 @@ def sliding_window_perplexity(
     stride: int,
     batch_size: int = 1,
     on_window: Callable[[int], None] | None = None,
+    scored_bytes: Sequence[int] | None = None,
 ) -> PerplexityResult:
-    """Token-weighted perplexity over ``documents`` (each a (N,) tensor of token ids)."""
+    """Token-weighted perplexity over ``documents`` (each a (N,) tensor of token ids); with ``scored_bytes``
+    (each document's scored-text bytes, ``documents.scored_text_bytes``) also bits per byte."""
     nll_sum, count = 0.0, 0
     for token_ids in documents:
         nll_N, times_scored_N = token_nlls(model, token_ids, window, stride, batch_size, on_window)
         assert bool((times_scored_N[1:] == 1).all()) and int(times_scored_N[0]) == 0, "every token exactly once"
         nll_sum += float(nll_N[1:].sum())
         count += token_ids.shape[0] - 1
-    return PerplexityResult(nll_sum, count)
+    return PerplexityResult(nll_sum, count, sum(scored_bytes) if scored_bytes is not None else None)

@@ -63,6 +63,14 @@ def perplexity_table(rows: Sequence[dict[str, Any]], models: dict[str, Any]) -> 
     return _grid(rows, "window", lambda row: format_ppl(row["ppl"]) if row else "–", models)
 
 
+def bits_per_byte_table(rows: Sequence[dict[str, Any]], models: dict[str, Any]) -> str:
+    return _grid(rows, "window", lambda row: format_bits(row.get("bits_per_byte")) if row else "–", models)
+
+
+def format_bits(value: float | None) -> str:
+    return "–" if value is None or value != value else f"{value:.4f}"
+
+
 def passkey_table(rows: Sequence[dict[str, Any]], models: dict[str, Any]) -> str:
     return _grid(rows, "length", lambda row: format_percent(row["accuracy"]) if row else "–", models)
 
@@ -85,6 +93,10 @@ def tables_markdown(results: dict[str, Any]) -> str:
                      f"truncated to {settings.get('max_doc_tokens'):,} tokens, {first['documents_skipped']} shorter "
                      "skipped; columns = context window in tokens)\n\n"
                      + perplexity_table(results["perplexity"], models))
+        budget = settings.get("max_doc_chars")
+        parts.append("### Bits per byte (NLL in bits over the UTF-8 bytes of the scored text"
+                     + (f"; texts cut to {budget:,} characters before tokenising" if budget else "")
+                     + "; columns = context window in tokens)\n\n" + bits_per_byte_table(results["perplexity"], models))
     if results["passkey"]:
         cases = results["passkey"][0]["cases"]
         parts.append(f"### Passkey retrieval accuracy, % ({cases} cases per length; columns = prompt length in "
