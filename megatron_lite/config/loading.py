@@ -185,8 +185,10 @@ def _validate_architecture(model: ModelConfig) -> None:
                  f"model.num_key_value_heads={model.num_key_value_heads}: must divide model.num_attention_heads="
                  f"{model.num_attention_heads}")
     if not model.is_llama:
-        fused = "needs model.architecture=llama (gpt_neox fuses q/k/v per head, with biases, one key/value head per query head)"
-        _require(model.kv_heads == model.num_attention_heads, f"model.num_key_value_heads={model.num_key_value_heads}: {fused}")
+        fused = ("needs model.architecture=llama (gpt_neox fuses q/k/v per head, with biases, one key/value head "
+                 "per query head)")
+        _require(model.kv_heads == model.num_attention_heads,
+                 f"model.num_key_value_heads={model.num_key_value_heads}: {fused}")
         _require(model.kv_channels in (None, model.hidden_size // model.num_attention_heads),
                  f"model.kv_channels={model.kv_channels}: {fused}")
         _require(not model.qkv_bias, f"model.qkv_bias=true: {fused}")

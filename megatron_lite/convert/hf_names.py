@@ -79,20 +79,33 @@ def hf_to_framework_name(name: str, llama: bool = False) -> str:
     return name  # left as is: the shape check reports it as unexpected
 
 
-def to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF names; a tied LM head is left out, as ``save_pretrained`` does."""
-    check_tensors(state, expected_shapes(model), "megatron_lite weights")
+def rename_to_hf(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names, unchecked (one shard of a model may hold any subset); a tied LM head is left out, as
+    ``save_pretrained`` does."""
     tied = not model.no_weight_tying
     return {framework_to_hf_name(name, model.is_llama): tensor for name, tensor in state.items()
             if not (tied and name == LM_HEAD)}
 
 
-def from_hf_state(hf_state: dict[str, torch.Tensor], model: ModelConfig, source: str) -> dict[str, torch.Tensor]:
-    """megatron_lite names, checked against ``model``; a tied head is restored from the embedding."""
+def rename_from_hf(hf_state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """megatron_lite names, unchecked; old buffers dropped; a tied head, which ``save_pretrained`` does not
+    store, restored from the embedding where that is present."""
     state = {hf_to_framework_name(name, model.is_llama): tensor for name, tensor in hf_state.items()
              if not name.endswith(IGNORED_HF_SUFFIXES)}
     if not model.no_weight_tying and LM_HEAD not in state and "embed_in.weight" in state:
         state[LM_HEAD] = state["embed_in.weight"]
+    return state
+
+
+def to_hf_state(state: dict[str, torch.Tensor], model: ModelConfig) -> dict[str, torch.Tensor]:
+    """A whole model's HF names, checked against ``model``."""
+    check_tensors(state, expected_shapes(model), "megatron_lite weights")
+    return rename_to_hf(state, model)
+
+
+def from_hf_state(hf_state: dict[str, torch.Tensor], model: ModelConfig, source: str) -> dict[str, torch.Tensor]:
+    """A whole model's megatron_lite names, checked against ``model``."""
+    state = rename_from_hf(hf_state, model)
     check_tensors(state, expected_shapes(model), source)
     return state
 

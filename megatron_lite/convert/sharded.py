@@ -23,7 +23,7 @@ from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
 from megatron_lite.convert.hf_import import hf_tokenizer_file, hf_weight_files, read_hf_config
-from megatron_lite.convert.hf_names import IGNORED_HF_SUFFIXES, LM_HEAD, cast, framework_to_hf_name, hf_to_framework_name, untie
+from megatron_lite.convert.hf_names import cast, rename_from_hf, rename_to_hf, untie
 from megatron_lite.weights import (
     WEIGHTS_INDEX_FILE, check_shapes, expected_shapes, load_state_dict, read_weight_file, save_safetensors, weight_files,
 )
@@ -51,16 +51,6 @@ class ShardedSource:
         check_shapes(seen, expected_shapes(self.config.model), self.label)
 
 
-def _hf_shards(hf_dir: Path, config: Config, files: list[Path]) -> Iterator[TensorShard]:
-    llama, tied = config.model.is_llama, not config.model.no_weight_tying
-    for path in files:
-        shard = {hf_to_framework_name(name, llama): tensor for name, tensor in read_weight_file(path).items()
-                 if not name.endswith(IGNORED_HF_SUFFIXES)}
-        if tied and "embed_in.weight" in shard:
-            shard.setdefault(LM_HEAD, shard["embed_in.weight"])  # a tied head is not stored by save_pretrained
-        yield shard
-
-
 def open_shards(path: str | Path) -> ShardedSource:
     """Any checkpoint (run, step, consolidated or HF dir) as a ``ShardedSource``."""
     resolved = checkpoint_dirs.resolve_checkpoint(path)
@@ -70,7 +60,8 @@ def open_shards(path: str | Path) -> ShardedSource:
         config = read_hf_config(resolved)
         files = hf_weight_files(resolved)
         return ShardedSource(config, hf_tokenizer_file(resolved), kind, step,
-                             lambda: _hf_shards(resolved, config, files), str(resolved))
+                             lambda: (rename_from_hf(read_weight_file(file), config.model) for file in files),
+                             str(resolved))
     if kind == "consolidated":
         config = config_lib.load(resolved / checkpoint_dirs.CONFIG_FILE)
         files = weight_files(resolved)
@@ -122,9 +113,7 @@ def write_consolidated_shards(source: ShardedSource, out_dir: Path, dtype: torch
 
 def write_hf_shards(source: ShardedSource, config: Config, out_dir: Path, dtype: torch.dtype) -> None:
     """The weights of ``source`` under Hugging Face names in ``dtype``; a tied head is left out, as save_pretrained does."""
-    llama, tied = config.model.is_llama, not config.model.no_weight_tying
     writer = ShardWriter(out_dir)
     for shard in source.shards():
-        renamed = {framework_to_hf_name(name, llama): tensor for name, tensor in shard.items() if not (tied and name == LM_HEAD)}
-        writer.write(untie(cast(renamed, dtype)))
+        writer.write(untie(cast(rename_to_hf(shard, config.model), dtype)))
     writer.finish()

@@ -544,6 +544,7 @@ class MegatronLiteModel(DecoderForward, MegatronLitePreTrainedModel):
         self.final_layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.post_init()
 
+
 class MegatronLiteForCausalLM(CausalLMForward, MegatronLitePreTrainedModel, GenerationMixin):
     backbone_attribute, head_attribute = "gpt_neox", "embed_out"
     # The head is ``embed_out``: the on-disk name GPTNeoXForCausalLM.save_pretrained writes (v4 and v5).
@@ -554,7 +555,6 @@ class MegatronLiteForCausalLM(CausalLMForward, MegatronLitePreTrainedModel, Gene
         self.gpt_neox = MegatronLiteModel(config)
         self.embed_out = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -675,7 +675,6 @@ class MegatronLiteLlamaForCausalLM(CausalLMForward, MegatronLiteLlamaPreTrainedM
         self.model = MegatronLiteLlamaModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
-
 
 
 __all__ = [
