@@ -5,7 +5,7 @@
     python docker/make_constraints.py --check    # exit 1 if constraints.txt differs from this environment
 
 Run it in an environment where the README's test command has just passed. It walks
-pyproject.toml's core dependencies plus the `test` extra through the installed distributions'
+pyproject.toml's core dependencies plus the `test` and `eval` extras through the installed distributions'
 metadata (transitively, markers evaluated for this interpreter) and pins every distribution it
 reaches at its installed version. Local version labels are dropped (`torch 2.13.0+cpu` is pinned as
 `torch==2.13.0`), so the CPU wheel CI installs and the CUDA build in the image's base satisfy the
@@ -33,7 +33,7 @@ except ModuleNotFoundError:  # a bare base image: the copy pip vendors
 
 REPO = Path(__file__).resolve().parents[1]
 CONSTRAINTS = REPO / "constraints.txt"
-EXTRAS = ("test",)
+EXTRAS = ("test", "eval")
 
 HEADER = """\
 # Pinned dependency versions shared by CI (the README's test command, .ci/run) and the Docker image.

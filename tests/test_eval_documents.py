@@ -70,7 +70,7 @@ def test_no_long_enough_document_names_the_flag(tokenizer: Tokenizer, books: Pat
 
 def test_bits_per_byte_is_the_nll_in_bits_over_the_scored_text_bytes(tokenizer: Tokenizer, books: Path) -> None:
     """Computed here independently: SentencePiece's own byte offsets give the scored text (tokens 1..N-1 of
-    the character-budgeted text), one full forward gives the summed NLL."""
+    the character-budgeted text, kept whole), one full forward gives the summed NLL."""
     import math
 
     import sentencepiece as spm
@@ -84,18 +84,20 @@ def test_bits_per_byte_is_the_nll_in_bits_over_the_scored_text_bytes(tokenizer: 
     budget, length = 2000, 300
     documents = load_documents(str(books), tokenizer, max_doc_tokens=length, max_doc_chars=budget)
     assert len(documents.token_ids) == 3 and documents.max_doc_chars == budget
-    model = build_model(tiny_eval_config("rope", seq_length=length, vocab_size=320)).eval()
+    window = max(len(ids) for ids in documents.token_ids)  # the cut text is kept whole: > length tokens
+    assert window > length
+    model = build_model(tiny_eval_config("rope", seq_length=window, vocab_size=320)).eval()
     processor = spm.SentencePieceProcessor(model_file=str(tokenizer.path))
     nll_bits, scored_bytes = 0.0, 0
     for name, ids in zip(documents.names, documents.token_ids):
         text = Path(name).read_text(encoding="utf-8").replace("\r\n", "\n")[:budget]  # cleaning: newlines only
         pieces = processor.encode(text, return_type="proto").pieces
-        assert [piece.id for piece in pieces[:length]] == ids.tolist()
-        scored_bytes += pieces[length - 1].end - pieces[0].end  # UTF-8 byte offsets in the input
+        assert [piece.id for piece in pieces] == ids.tolist()
+        scored_bytes += pieces[-1].end - pieces[0].end  # UTF-8 byte offsets in the input
         with torch.no_grad():
             logits = model(ids[None])[0, :-1].float()  # (N - 1, V): predictions of tokens 1..N-1
         nll_bits += float(F.cross_entropy(logits, ids[1:], reduction="sum")) / math.log(2)
-    result = sliding_window_perplexity(model, documents.token_ids, length, length, scored_bytes=documents.scored_bytes)
+    result = sliding_window_perplexity(model, documents.token_ids, window, window, scored_bytes=documents.scored_bytes)
     assert result.num_bytes == scored_bytes
     assert result.bits_per_byte == pytest.approx(nll_bits / scored_bytes, rel=1e-6)
     with pytest.raises(ValueError, match="--max-doc-chars 0"):

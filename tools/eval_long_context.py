@@ -1,13 +1,15 @@
 #!/usr/bin/env python
-"""Long-context evaluation: PG-19 sliding-window perplexity and passkey retrieval, with RoPE scalings.
+"""Long-context evaluation: PG-19 perplexity, passkey retrieval and RULER-style needles, with RoPE scalings.
 
     python tools/eval_long_context.py --checkpoints runs/rope runs/coca_slack --out eval/long \\
         --ppl-docs emozilla/pg19-test --windows 512,1024,2048,4096,8192,16384,32768 --stride 512 \\
-        --passkey-lengths 512,1024,2048,4096 --scaling none,dynamic:2,dynamic:4,dynamic:8,linear:4,yarn:4
+        --passkey-lengths 512,1024,2048,4096 --scaling none,dynamic:2,dynamic:4,dynamic:8,linear:4,yarn:4 \\
+        --needles all --needle-lengths 512,1024,2048,4096 --needle-cases 20 --needle-depths 0,0.25,0.5,0.75,1
 
 Writes OUT/results.json, OUT/tables.md, OUT/perplexity_vs_window.png, OUT/passkey_heatmap.png,
-OUT/passkey_cases.json and OUT/run_info.json; per-window results are cached in OUT/cache, so an
-interrupted run picks up where it stopped.
+OUT/needles_heatmap.png, OUT/passkey_cases.json, OUT/needle_cases.json and OUT/run_info.json;
+per-window (per-length, per-task) results are cached in OUT/cache, so an interrupted run picks up
+where it stopped.
 """
 
 from __future__ import annotations
@@ -17,7 +19,19 @@ from pathlib import Path
 
 from megatron_lite.cli import cli_main, print_error, run_cli
 from megatron_lite.eval.long_context import DEFAULT_WINDOWS, EvalOutOfMemory, LongContextSettings, run_long_context_eval
+from megatron_lite.eval.needles import DEFAULT_DEPTHS, TASKS, task_names
 from megatron_lite.eval.scaling import parse_int_list, parse_scaling_list
+
+
+def parse_depths(text: str) -> list[float]:
+    """``--needle-depths``: comma-separated fractions in [0, 1]."""
+    try:
+        depths = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--needle-depths {text!r}: give comma-separated numbers in [0, 1]") from None
+    if not all(0.0 <= depth <= 1.0 for depth in depths):
+        raise ValueError(f"--needle-depths {text!r}: each depth must be in [0, 1]")
+    return depths
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -43,10 +57,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--text-field", default="text", help="text column (HF, parquet)")
     parser.add_argument("--passkey-lengths", default="", help="passkey prompt lengths in tokens (empty: no passkey)")
     parser.add_argument("--passkey-cases", type=int, default=100, help="cases per length")
+    parser.add_argument("--needles", default="none",
+                        help=f"needle-suite tasks: all | none | a comma list of {', '.join(TASKS)}")
+    parser.add_argument("--needle-lengths", default="", help="needle prompt lengths in tokens (needed by --needles)")
+    parser.add_argument("--needle-cases", type=int, default=20,
+                        help="cases per task x length, cycling over --needle-depths")
+    parser.add_argument("--needle-depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS),
+                        help="depths of the answer needle, as fractions of the haystack")
+    parser.add_argument("--needle-haystack", default="noise",
+                        help="noise (the filler sentence repeated) | docs (the --ppl-docs documents)")
     parser.add_argument("--scaling", default="none",
                         help="RoPE scalings: none (the model as trained, with any scaling it was trained with) | "
                              "dynamic:F | linear:F | ntk:F | yarn:F | llama3:F, comma-separated")
-    parser.add_argument("--seed", type=int, default=1234, help="passkey keys and depths")
+    parser.add_argument("--seed", type=int, default=1234, help="passkey keys and depths; needle cases")
     parser.add_argument("--batch-size", type=int, default=1, help="windows (or passkey cases) per forward")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
@@ -70,7 +93,10 @@ def settings_from_args(args: argparse.Namespace) -> LongContextSettings:
         max_doc_chars=args.max_doc_chars,
         max_docs=args.max_docs, strip_gutenberg=args.strip_gutenberg, split=args.split, text_field=args.text_field,
         passkey_lengths=parse_int_list(args.passkey_lengths, "--passkey-lengths") if args.passkey_lengths else [],
-        passkey_cases=args.passkey_cases, scalings=parse_scaling_list(args.scaling), seed=args.seed,
+        passkey_cases=args.passkey_cases, needles=task_names(args.needles),
+        needle_lengths=parse_int_list(args.needle_lengths, "--needle-lengths") if args.needle_lengths else [],
+        needle_cases=args.needle_cases, needle_depths=parse_depths(args.needle_depths),
+        needle_haystack=args.needle_haystack, scalings=parse_scaling_list(args.scaling), seed=args.seed,
         batch_size=args.batch_size, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
         chunk_size=args.chunk_size, tokenizer=args.tokenizer, overrides=args.set, progress=not args.quiet,
     )
@@ -86,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if not args.quiet:
         print((args.out / "tables.md").read_text())
-    return 0 if results["perplexity"] or results["passkey"] else 1
+    return 0 if results["perplexity"] or results["passkey"] or results["needles"] else 1
 
 
 if __name__ == "__main__":

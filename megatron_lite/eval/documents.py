@@ -27,7 +27,7 @@ class EvalDocuments:
     source: str
     max_doc_tokens: int
     names: list[str] = field(default_factory=list)
-    token_ids: list[torch.Tensor] = field(default_factory=list)  # each (max_doc_tokens,) int64
+    token_ids: list[torch.Tensor] = field(default_factory=list)  # each (max_doc_tokens,) int64; (>= it) with max_doc_chars
     scored_bytes: list[int] = field(default_factory=list)  # UTF-8 bytes of each document's scored text
     max_doc_chars: int | None = None  # texts cut to this many characters before tokenising
     num_read: int = 0
@@ -35,8 +35,10 @@ class EvalDocuments:
     num_bad: int = 0  # unreadable records (empty, not UTF-8, ...)
 
     def summary(self) -> str:
+        kept = (f"cut to {self.max_doc_chars:,} characters, whole" if self.max_doc_chars is not None
+                else f"truncated to {self.max_doc_tokens:,}")
         return (f"{len(self.token_ids)} of {self.num_read} documents from {self.source} have >= "
-                f"{self.max_doc_tokens:,} tokens and are used (truncated to {self.max_doc_tokens:,}); "
+                f"{self.max_doc_tokens:,} tokens and are used ({kept}); "
                 f"{self.num_too_short} shorter ones skipped" + (f", {self.num_bad} unreadable" if self.num_bad else ""))
 
 
@@ -85,7 +87,7 @@ def load_documents(
 ) -> EvalDocuments:
     """Tokenise documents in source order; keep the first ``max_documents`` with >= max_doc_tokens tokens.
     ``max_doc_chars`` cuts every text to that many characters first, so models with different tokenizers
-    score the same text (pick --max-doc-tokens no larger than the shortest tokenisation of it)."""
+    score the same text: the cut text is then kept whole, and ``max_doc_tokens`` is only the minimum."""
     if max_doc_tokens < 2:
         raise ValueError(f"--max-doc-tokens {max_doc_tokens}: must be >= 2")
     if max_doc_chars is not None and max_doc_chars < 1:
@@ -107,9 +109,13 @@ def load_documents(
         if len(tokens) < max_doc_tokens:
             documents.num_too_short += 1
             continue
+        if max_doc_chars is None:
+            tokens = tokens[:max_doc_tokens]
+        # with a character budget the whole cut text is scored, so every tokenizer scores the same text;
+        # max_doc_tokens is then only the minimum length
         documents.names.append(record.location)
-        documents.token_ids.append(torch.tensor(tokens[:max_doc_tokens], dtype=torch.long))
-        documents.scored_bytes.append(scored_text_bytes(tokenizer, tokens[:max_doc_tokens]))
+        documents.token_ids.append(torch.tensor(tokens, dtype=torch.long))
+        documents.scored_bytes.append(scored_text_bytes(tokenizer, tokens))
     if not documents.token_ids:
         raise ValueError(f"--ppl-docs {spec!r}: none of {documents.num_read} documents has >= --max-doc-tokens "
                          f"{max_doc_tokens} tokens; lower --max-doc-tokens")

@@ -1,8 +1,10 @@
-"""Long-context evaluation of checkpoints: PG-19 sliding-window perplexity and passkey retrieval,
-for every model x RoPE scaling x context window (the paper's Tables 1-3 and Figures 1 and 5).
+"""Long-context evaluation of checkpoints: PG-19 sliding-window perplexity, passkey retrieval and the
+RULER-style needle suite, for every model x RoPE scaling x context window (the paper's Tables 1-3 and
+Figures 1 and 5).
 
 ``run_long_context_eval(settings)`` is what ``tools/eval_long_context.py`` calls. Results are cached
-per (model, scaling, window) under ``<out>/cache`` so an interrupted run resumes; at the end it
+per (model, scaling, window), (model, scaling, passkey length) and (model, scaling, needle task,
+length) under ``<out>/cache`` so an interrupted run resumes; at the end it
 writes ``results.json``, ``tables.md``, the plots and ``run_info.json`` (timing and peak memory).
 """
 
@@ -26,6 +28,9 @@ from megatron_lite.checkpoint_dirs import resolve_checkpoint
 from megatron_lite.config import RopeScalingConfig
 from megatron_lite.data.tokenizer import AnyTokenizer, model_tokenizer
 from megatron_lite.eval.documents import EvalDocuments, load_documents
+from megatron_lite.eval.needles import (DEFAULT_DEPTHS, NEW_TOKENS, TASKS, DocumentHaystack, Haystack,
+                                        NeedlePromptBuilder, NoiseHaystack, draw_specs, effective_context,
+                                        run_needles, summarize_needles)
 from megatron_lite.eval.passkey import NUM_NEW_TOKENS, PasskeyPromptBuilder, run_passkey, summarize_cases
 from megatron_lite.eval.perplexity import num_windows, sliding_window_perplexity
 from megatron_lite.eval.report import write_reports
@@ -52,6 +57,11 @@ class LongContextSettings:
     text_field: str = "text"
     passkey_lengths: list[int] = field(default_factory=list)
     passkey_cases: int = 100
+    needles: list[str] = field(default_factory=list)  # needle tasks (megatron_lite.eval.needles.TASKS)
+    needle_lengths: list[int] = field(default_factory=list)
+    needle_cases: int = 20  # per task x length, cycling over needle_depths
+    needle_depths: list[float] = field(default_factory=lambda: list(DEFAULT_DEPTHS))
+    needle_haystack: str = "noise"  # noise (the filler sentence) | docs (the --ppl-docs documents)
     scalings: list[ScalingSpec] = field(default_factory=lambda: [NO_SCALING])
     seed: int = 1234
     batch_size: int = 1
@@ -67,8 +77,9 @@ class LongContextSettings:
 def validate_settings(settings: LongContextSettings) -> None:
     if not settings.checkpoints:
         raise ValueError("--checkpoints: give at least one run, step or consolidated directory")
-    if settings.ppl_docs is None and not settings.passkey_lengths:
-        raise ValueError("nothing to do: give --ppl-docs and/or --passkey-lengths")
+    if settings.ppl_docs is None and not settings.passkey_lengths and not settings.needles:
+        raise ValueError("nothing to do: give --ppl-docs, --passkey-lengths and/or --needles")
+    validate_needle_settings(settings)
     if settings.ppl_docs is not None:
         if not 1 <= settings.stride <= min(settings.windows):
             raise ValueError(f"--stride {settings.stride}: must be in [1, smallest window {min(settings.windows)}] "
@@ -87,6 +98,24 @@ def validate_settings(settings: LongContextSettings) -> None:
     if settings.attention_backend not in ("auto", "sdpa", "chunked", "flash", "reference"):
         raise ValueError(f"--attention-backend {settings.attention_backend!r}: must be auto, sdpa, chunked, flash "
                          "or reference")
+
+
+def validate_needle_settings(settings: LongContextSettings) -> None:
+    unknown = [task for task in settings.needles if task not in TASKS]
+    if unknown:
+        raise ValueError(f"--needles {unknown[0]!r}: unknown task; valid: all, {', '.join(TASKS)}")
+    if settings.needles and not settings.needle_lengths:
+        raise ValueError("--needles: give the prompt lengths with --needle-lengths")
+    if settings.needle_lengths and not settings.needles:
+        raise ValueError("--needle-lengths: give the tasks with --needles (all, or a comma list)")
+    if settings.needle_cases < 1:
+        raise ValueError(f"--needle-cases {settings.needle_cases}: must be >= 1")
+    if not settings.needle_depths or any(not 0.0 <= depth <= 1.0 for depth in settings.needle_depths):
+        raise ValueError(f"--needle-depths {','.join(map(str, settings.needle_depths))}: give depths in [0, 1]")
+    if settings.needle_haystack not in ("noise", "docs"):
+        raise ValueError(f"--needle-haystack {settings.needle_haystack!r}: must be noise or docs")
+    if settings.needle_haystack == "docs" and settings.needles and settings.ppl_docs is None:
+        raise ValueError("--needle-haystack docs: give the documents with --ppl-docs")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,7 +198,8 @@ def out_of_memory_advice(what: str, choice: AttentionChoice, batch_size: int) ->
         remedies.append(f"lower --chunk-size (now {choice.chunk_size})")
     else:
         remedies.append(f"pass --attention-backend chunked with a --chunk-size (now {choice.backend})")
-    remedies.append("use --dtype bf16 on a GPU, or drop the longest --windows / --passkey-lengths")
+    remedies.append("use --dtype bf16 on a GPU, or drop the longest --windows / --passkey-lengths / "
+                    "--needle-lengths")
     return f"out of memory {what}: " + "; or ".join(remedies)
 
 
@@ -196,6 +226,8 @@ class LongContextEvaluation:
         self.perplexity_rows: list[dict[str, Any]] = []
         self.passkey_rows: list[dict[str, Any]] = []
         self.passkey_cases: list[dict[str, Any]] = []
+        self.needle_rows: list[dict[str, Any]] = []
+        self.needle_cases: list[dict[str, Any]] = []
         self.own_scalings: dict[str, RopeScalingConfig] = {}  # each model's scaling as trained, by entry name
 
     def log(self, message: str) -> None:
@@ -230,7 +262,7 @@ class LongContextEvaluation:
                           "source": str(entry.loaded.source)}
         return entry.info
 
-    def fingerprint(self, entry: ModelEntry, kind: str) -> str:
+    def fingerprint(self, entry: ModelEntry, kind: str, task: str = "") -> str:
         settings = self.settings
         common = {"checkpoint": checkpoint_fingerprint(resolve_checkpoint(entry.path)),
                   "tokenizer": settings.tokenizer, "dtype": settings.dtype, "overrides": settings.overrides}
@@ -238,7 +270,14 @@ class LongContextEvaluation:
             common.update(docs=settings.ppl_docs, split=settings.split, text_field=settings.text_field,
                           strip_gutenberg=settings.strip_gutenberg, max_doc_tokens=settings.max_doc_tokens,
                           max_doc_chars=settings.max_doc_chars, max_docs=settings.max_docs, stride=settings.stride,
-                          row_format=2)  # 2: rows carry bits_per_byte
+                          row_format=3)  # 2: rows carry bits_per_byte; 3: a --max-doc-chars text is scored whole
+        elif kind == "needles":
+            common.update(task=task, cases=settings.needle_cases, seed=settings.seed, depths=settings.needle_depths,
+                          haystack=settings.needle_haystack, row_format=1)
+            if settings.needle_haystack == "docs":
+                common.update(docs=settings.ppl_docs, split=settings.split, text_field=settings.text_field,
+                              strip_gutenberg=settings.strip_gutenberg, max_doc_tokens=settings.max_doc_tokens,
+                              max_doc_chars=settings.max_doc_chars, max_docs=settings.max_docs)
         else:
             common.update(cases=settings.passkey_cases, seed=settings.seed)
         return fingerprint(common)
@@ -254,10 +293,31 @@ class LongContextEvaluation:
             self.documents[tokenizer.sha256] = documents
         return self.documents[tokenizer.sha256]
 
+    def haystack_for(self, tokenizer: AnyTokenizer) -> Haystack:
+        if self.settings.needle_haystack == "docs":
+            documents = self.documents_for(tokenizer)
+            return DocumentHaystack([doc.tolist() for doc in documents.token_ids], f"docs:{documents.source}",
+                                    tokenizer.prefix_ids)
+        return NoiseHaystack(tokenizer)
+
+    def check_needle_lengths(self, entry: ModelEntry, tokenizer: AnyTokenizer) -> None:
+        """Every case must fit its length (the longest fixed part over the cases actually drawn)."""
+        settings = self.settings
+        builder = NeedlePromptBuilder(tokenizer, NoiseHaystack(tokenizer))
+        for task in settings.needles:
+            for length in settings.needle_lengths:
+                specs = draw_specs(task, length, settings.needle_cases, settings.seed, settings.needle_depths)
+                shortest = builder.min_length(specs)
+                if length < shortest:
+                    raise ValueError(f"--needle-lengths {length}: the {task} prompt without haystack is up to "
+                                     f"{shortest} tokens with {entry.name}'s tokenizer")
+
     # -- one model -----------------------------------------------------------------------------
     def evaluate_model(self, entry: ModelEntry) -> None:
         settings = self.settings
         info = self.model_info(entry)
+        if settings.needles:
+            self.check_needle_lengths(entry, self.load(entry)[1])
         if settings.passkey_lengths:
             shortest = PasskeyPromptBuilder(self.load(entry)[1]).min_length()
             if min(settings.passkey_lengths) < shortest:
@@ -287,6 +347,22 @@ class LongContextEvaluation:
                 cases = result.pop("case_records")
                 self.passkey_rows.append(result)
                 self.passkey_cases.extend({"model": entry.name, "scaling": spec.name, **case} for case in cases)
+            self.evaluate_needles(entry, spec, info)
+
+    def evaluate_needles(self, entry: ModelEntry, spec: ScalingSpec, info: dict[str, Any]) -> None:
+        settings = self.settings
+        for task in settings.needles:
+            key = self.fingerprint(entry, "needles", task)
+            for length in settings.needle_lengths:
+                if info["max_length"] is not None and length + NEW_TOKENS[task] > info["max_length"]:
+                    self.log(f"{entry.name}: {task} length {length} skipped (learned positions end at "
+                             f"{info['max_length']})")
+                    continue
+                result = self.cache.get_or_compute(f"needles/{task}", entry.name, spec.name, length, key,
+                                                   lambda: self.needles(entry, spec, task, length))
+                cases = result.pop("case_records")
+                self.needle_rows.append(result)
+                self.needle_cases.extend({"model": entry.name, "scaling": spec.name, **case} for case in cases)
 
     def scaled_model(self, entry: ModelEntry, spec: ScalingSpec) -> tuple[GPT, AnyTokenizer]:
         model, tokenizer = self.load(entry)
@@ -341,6 +417,29 @@ class LongContextEvaluation:
         records = [case.to_dict() for case in cases]
         return {"model": entry.name, "scaling": spec.name, "length": length, **summary, "case_records": records}
 
+    def needles(self, entry: ModelEntry, spec: ScalingSpec, task: str, length: int) -> dict[str, Any]:
+        settings = self.settings
+        model, tokenizer = self.scaled_model(entry, spec)
+        builder = NeedlePromptBuilder(tokenizer, self.haystack_for(tokenizer))
+        bar = tqdm(total=settings.needle_cases, desc=f"{entry.name} {spec.name} {task} {length}", unit="case",
+                   disable=not settings.progress, leave=False)
+        with bar, self.out_of_memory_advice(entry, f"running {task} {entry.name} at length {length}"):
+            cases = run_needles(model, tokenizer, task, length, settings.needle_cases, settings.seed,
+                                settings.needle_depths, settings.batch_size, builder, bar.update)
+        summary = summarize_needles(cases)
+        self.log(f"{entry.name} {spec.name} {task} {length}: score {summary['score']:.2f} ({summary['cases']} cases)")
+        records = [case.to_dict() for case in cases]
+        return {"model": entry.name, "scaling": spec.name, "task": task, "length": length, **summary,
+                "case_records": records}
+
+    def effective_context_rows(self, models: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+        """One row per model x scaling with needle results (megatron_lite.eval.needles.effective_context)."""
+        keys = list(dict.fromkeys((row["model"], row["scaling"]) for row in self.needle_rows))
+        return [{"model": model, "scaling": scaling,
+                 **effective_context([r for r in self.needle_rows if (r["model"], r["scaling"]) == (model, scaling)],
+                                     models[model]["train_length"])}
+                for model, scaling in keys]
+
     # -- all -----------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         settings = self.settings
@@ -354,10 +453,13 @@ class LongContextEvaluation:
             entry.model = None  # free the weights before the next model (info and choice stay)
             if entry.loaded is not None:
                 entry.loaded.model = None
+        models = {entry.name: self.model_info(entry) for entry in entries}
         results = {
             "perplexity": self.perplexity_rows,
             "passkey": self.passkey_rows,
-            "models": {entry.name: self.model_info(entry) for entry in entries},
+            "needles": self.needle_rows,
+            "effective_context": self.effective_context_rows(models),
+            "models": models,
             "settings": {key: value for key, value in asdict(settings).items()
                          if key not in ("out_dir", "progress", "device", "batch_size", "attention_backend",
                                         "chunk_size")},
@@ -366,6 +468,8 @@ class LongContextEvaluation:
         settings.out_dir.mkdir(parents=True, exist_ok=True)
         (settings.out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
         (settings.out_dir / "passkey_cases.json").write_text(json.dumps(self.passkey_cases, indent=1) + "\n")
+        if self.needle_cases:
+            (settings.out_dir / "needle_cases.json").write_text(json.dumps(self.needle_cases, indent=1) + "\n")
         written = write_reports(results, self.passkey_cases, settings.out_dir)
         run_info = {"seconds": round(time.perf_counter() - start, 1), "peak_rss_mib": peak_rss_mib(),
                     "attention": {e.name: asdict(e.choice) for e in entries if e.choice is not None}}

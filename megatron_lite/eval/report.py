@@ -1,12 +1,12 @@
 """Markdown tables (the paper's Tables 1-3 layout: rows = model x scaling, columns = context window)
 and PNG plots (perplexity vs window on log axes like the paper's Figure 1; passkey length x depth
-heatmaps) from ``results.json`` rows."""
+heatmaps; needle-suite task x length heatmaps) from ``results.json`` rows."""
 
 from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,39 @@ def passkey_distance_table(rows: Sequence[dict[str, Any]], models: dict[str, Any
     return _grid(rows, "length", cell, models)
 
 
+def needle_table(rows: Sequence[dict[str, Any]], models: dict[str, Any]) -> str:
+    """Rows = model x scaling x task (and the mean over tasks), columns = prompt length; cells = score %."""
+    lengths = sorted({row["length"] for row in rows})
+    by_key = {(row["model"], row["scaling"], row["task"], row["length"]): row["score"] for row in rows}
+    header = ["model", "train length", "scaling", "task", *[f"{n:,}" for n in lengths]]
+    body = []
+    for model, scaling in _row_keys(rows):
+        tasks = list(dict.fromkeys(r["task"] for r in rows if (r["model"], r["scaling"]) == (model, scaling)))
+        prefix = [model, str(models.get(model, {}).get("train_length", "")), scaling]
+        for task in tasks:
+            body.append(prefix + [task] + [format_percent(by_key.get((model, scaling, task, n))) for n in lengths])
+        means = []
+        for n in lengths:
+            scores = [by_key[(model, scaling, task, n)] for task in tasks if (model, scaling, task, n) in by_key]
+            means.append(format_percent(sum(scores) / len(scores)) if scores else "–")
+        body.append(prefix + ["**mean**"] + means)
+    return markdown_table(header, body)
+
+
+def format_length(value: int | None) -> str:
+    return "none" if value is None else f"{value:,}"
+
+
+def effective_context_table(rows: Sequence[dict[str, Any]], models: dict[str, Any]) -> str:
+    header = ["model", "scheme", "scaling", "effective length", "train length", "reference length",
+              "reference score %", "threshold %"]
+    body = [[row["model"], str(models.get(row["model"], {}).get("scheme", "")), row["scaling"],
+             format_length(row["length"]), f"{row['training_length']:,}",
+             "–" if row["reference_length"] is None else f"{row['reference_length']:,}",
+             format_percent(row["reference_score"]), format_percent(row["threshold"])] for row in rows]
+    return markdown_table(header, body)
+
+
 def tables_markdown(results: dict[str, Any]) -> str:
     settings, models = results.get("settings", {}), results.get("models", {})
     parts = []
@@ -103,6 +136,16 @@ def tables_markdown(results: dict[str, Any]) -> str:
                      "tokens)\n\n" + passkey_table(results["passkey"], models))
         parts.append("### Passkey accuracy by passkey distance, % (inside / outside the training window; – = no "
                      "case)\n\n" + passkey_distance_table(results["passkey"], models))
+    if results.get("needles"):
+        cases = results["needles"][0]["cases"]
+        depths = ", ".join(f"{d:g}" for d in settings.get("needle_depths", []))
+        parts.append(f"### Needle suite score, % (RULER string_match_all: share of the expected strings in the "
+                     f"output; {cases} cases per task x length over depths {depths}; {settings.get('needle_haystack')} "
+                     "haystack; columns = prompt length in tokens)\n\n" + needle_table(results["needles"], models))
+        parts.append("### Effective context length (longest length, from the reference length up without a "
+                     "break, whose mean needle score is >= max(0.9 x the score at the reference length, 50%); "
+                     "reference = the training length, or the longest evaluated length below it; none: "
+                     "reference score < 50%)\n\n" + effective_context_table(results["effective_context"], models))
     return "\n\n".join(parts) + "\n"
 
 
@@ -172,20 +215,41 @@ def depth_bin(depth: float) -> int:
     return min(int(depth * NUM_DEPTH_BINS), NUM_DEPTH_BINS - 1)
 
 
+def _heatmap_panels(keys: Sequence[tuple[str, str]], panel_size: tuple[float, float], label: str, path: Path,
+                    draw: Callable[[Any, str, str], Any]) -> None:
+    """One heatmap panel per (model, scaling), four to a row, one shared 0..1 colour bar; ``draw(axes,
+    model, scaling)`` fills a panel and returns its image."""
+    plt = _pyplot()
+    num_columns = min(len(keys), 4)
+    num_rows = (len(keys) + num_columns - 1) // num_columns
+    figure, axes_grid = plt.subplots(num_rows, num_columns, figsize=(panel_size[0] * num_columns + 1,
+                                                                     panel_size[1] * num_rows),
+                                     squeeze=False, constrained_layout=True)
+    image = None
+    for index, (model, scaling) in enumerate(keys):
+        axes = axes_grid[index // num_columns][index % num_columns]
+        image = draw(axes, model, scaling)
+        axes.set_title(f"{model} ({scaling})", fontsize=8)
+        axes.set_xlabel("prompt length (tokens)", fontsize=7)
+    for index in range(len(keys), num_rows * num_columns):
+        axes_grid[index // num_columns][index % num_columns].axis("off")
+    if image is not None:
+        figure.colorbar(image, ax=axes_grid, shrink=0.8, label=label)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _score_colormap() -> Any:
+    return _pyplot().get_cmap("RdYlGn").with_extremes(bad="lightgrey")  # grey: nothing in that cell
+
+
 def plot_passkey_heatmap(cases: Sequence[dict[str, Any]], path: Path) -> None:
     """One panel per model x scaling: accuracy by prompt length (x) and key depth decile (y)."""
     import numpy as np
 
-    plt = _pyplot()
-    keys = _row_keys(cases)
     lengths = sorted({case["length"] for case in cases})
-    num_columns = min(len(keys), 4)
-    num_rows = (len(keys) + num_columns - 1) // num_columns
-    figure, axes_grid = plt.subplots(num_rows, num_columns, figsize=(3.0 * num_columns + 1, 2.8 * num_rows),
-                                     squeeze=False, constrained_layout=True)
-    colormap = plt.get_cmap("RdYlGn").with_extremes(bad="lightgrey")  # grey: no case drawn in that cell
-    image = None
-    for index, (model, scaling) in enumerate(keys):
+
+    def draw(axes: Any, model: str, scaling: str) -> Any:
         correct = np.zeros((NUM_DEPTH_BINS, len(lengths)))
         total = np.zeros((NUM_DEPTH_BINS, len(lengths)))
         for case in cases:
@@ -194,19 +258,35 @@ def plot_passkey_heatmap(cases: Sequence[dict[str, Any]], path: Path) -> None:
                 correct[cell] += case["correct"]
                 total[cell] += 1
         accuracy = np.divide(correct, total, out=np.full_like(correct, np.nan), where=total > 0)
-        axes = axes_grid[index // num_columns][index % num_columns]
-        image = axes.imshow(accuracy, vmin=0, vmax=1, cmap=colormap, aspect="auto", origin="lower")
+        image = axes.imshow(accuracy, vmin=0, vmax=1, cmap=_score_colormap(), aspect="auto", origin="lower")
         axes.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths], rotation=45, fontsize=7)
         axes.set_yticks([0, NUM_DEPTH_BINS - 1], ["0-0.1", "0.9-1"], fontsize=7)
-        axes.set_title(f"{model} ({scaling})", fontsize=8)
-        axes.set_xlabel("prompt length (tokens)", fontsize=7)
         axes.set_ylabel("key depth", fontsize=7)
-    for index in range(len(keys), num_rows * num_columns):
-        axes_grid[index // num_columns][index % num_columns].axis("off")
-    if image is not None:
-        figure.colorbar(image, ax=axes_grid, shrink=0.8, label="passkey accuracy (grey: no case)")
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+        return image
+
+    _heatmap_panels(_row_keys(cases), (3.0, 2.8), "passkey accuracy (grey: no case)", path, draw)
+
+
+def plot_needle_heatmap(rows: Sequence[dict[str, Any]], path: Path) -> None:
+    """One panel per model x scaling: needle score by prompt length (x) and task (y; last row = mean)."""
+    import numpy as np
+
+    lengths = sorted({row["length"] for row in rows})
+    tasks = list(dict.fromkeys(row["task"] for row in rows))
+
+    def draw(axes: Any, model: str, scaling: str) -> Any:
+        score = np.full((len(tasks) + 1, len(lengths)), np.nan)  # (tasks + mean, lengths)
+        for row in rows:
+            if (row["model"], row["scaling"]) == (model, scaling):
+                score[tasks.index(row["task"]), lengths.index(row["length"])] = row["score"]
+        with np.errstate(all="ignore"):
+            score[-1] = np.nanmean(score[:-1], axis=0) if np.isfinite(score[:-1]).any() else np.nan
+        image = axes.imshow(score, vmin=0, vmax=1, cmap=_score_colormap(), aspect="auto", origin="upper")
+        axes.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths], rotation=45, fontsize=7)
+        axes.set_yticks(range(len(tasks) + 1), [*tasks, "mean"], fontsize=7)
+        return image
+
+    _heatmap_panels(_row_keys(rows), (3.4, 0.4 * len(tasks) + 1.8), "needle score (grey: not evaluated)", path, draw)
 
 
 def write_reports(results: dict[str, Any], passkey_cases: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
@@ -221,4 +301,7 @@ def write_reports(results: dict[str, Any], passkey_cases: Sequence[dict[str, Any
     if passkey_cases:
         written.append(out_dir / "passkey_heatmap.png")
         plot_passkey_heatmap(passkey_cases, written[-1])
+    if results.get("needles"):
+        written.append(out_dir / "needles_heatmap.png")
+        plot_needle_heatmap(results["needles"], written[-1])
     return written
