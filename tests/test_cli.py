@@ -26,6 +26,7 @@ def bad_arguments(script: str, tmp_path: Path) -> tuple[list[str], str]:
     that does not exist (a bad value for the benchmark, which reads neither)."""
     missing = str(tmp_path / "missing")
     return {
+        "tools/attention_diagnostics.py": ([missing, "--docs", missing, "--out", str(tmp_path / "out")], missing),
         "tools/bench_attention.py": (["--seq-lens", "32", "--hidden-size", "64", "--num-heads", "5"], "must divide"),
         "tools/bench_loss_memory.py": (["--chunk-tokens", "0"], "--chunk-tokens 0"),
         "tools/bench_train.py": (["--config", missing, "--no-gpu"], missing),

@@ -91,13 +91,17 @@ def validate_settings(settings: LongContextSettings) -> None:
         raise ValueError(f"--passkey-cases {settings.passkey_cases}: must be >= 1")
     if settings.batch_size < 1:
         raise ValueError(f"--batch-size {settings.batch_size}: must be >= 1")
-    if settings.chunk_size < 1:
-        raise ValueError(f"--chunk-size {settings.chunk_size}: must be >= 1")
-    if settings.dtype not in DTYPES:
-        raise ValueError(f"--dtype {settings.dtype!r}: must be one of {', '.join(DTYPES)}")
-    if settings.attention_backend not in ("auto", "sdpa", "chunked", "flash", "reference"):
-        raise ValueError(f"--attention-backend {settings.attention_backend!r}: must be auto, sdpa, chunked, flash "
-                         "or reference")
+    validate_kernel_settings(settings.dtype, settings.attention_backend, settings.chunk_size)
+
+
+def validate_kernel_settings(dtype: str, attention_backend: str, chunk_size: int) -> None:
+    """--dtype, --attention-backend and --chunk-size, shared by the evaluation tools."""
+    if chunk_size < 1:
+        raise ValueError(f"--chunk-size {chunk_size}: must be >= 1")
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: must be one of {', '.join(DTYPES)}")
+    if attention_backend not in ("auto", "sdpa", "chunked", "flash", "reference"):
+        raise ValueError(f"--attention-backend {attention_backend!r}: must be auto, sdpa, chunked, flash or reference")
 
 
 def validate_needle_settings(settings: LongContextSettings) -> None:

@@ -121,12 +121,12 @@ def tables_markdown(results: dict[str, Any]) -> str:
     settings, models = results.get("settings", {}), results.get("models", {})
     parts = []
     if results["perplexity"]:
-        first = results["perplexity"][0]
+        first, budget = results["perplexity"][0], settings.get("max_doc_chars")
+        kept = (f"cut to {budget:,} characters (>= {settings.get('max_doc_tokens'):,} tokens)" if budget
+                else f"truncated to {settings.get('max_doc_tokens'):,} tokens")
         parts.append(f"### Sliding-window perplexity (stride {settings.get('stride')}; {first['documents']} documents "
-                     f"truncated to {settings.get('max_doc_tokens'):,} tokens, {first['documents_skipped']} shorter "
-                     "skipped; columns = context window in tokens)\n\n"
+                     f"{kept}, {first['documents_skipped']} shorter skipped; columns = context window in tokens)\n\n"
                      + perplexity_table(results["perplexity"], models))
-        budget = settings.get("max_doc_chars")
         parts.append("### Bits per byte (NLL in bits over the UTF-8 bytes of the scored text"
                      + (f"; texts cut to {budget:,} characters before tokenising" if budget else "")
                      + "; columns = context window in tokens)\n\n" + bits_per_byte_table(results["perplexity"], models))
@@ -165,7 +165,7 @@ def plots_available() -> bool:
     return True
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -175,7 +175,7 @@ def _pyplot() -> Any:
 
 
 def plot_perplexity(results: dict[str, Any], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     rows = results["perplexity"]
     figure, axes = plt.subplots(figsize=(8.5, 4.5))
     keys = _row_keys(rows)
@@ -219,7 +219,7 @@ def _heatmap_panels(keys: Sequence[tuple[str, str]], panel_size: tuple[float, fl
                     draw: Callable[[Any, str, str], Any]) -> None:
     """One heatmap panel per (model, scaling), four to a row, one shared 0..1 colour bar; ``draw(axes,
     model, scaling)`` fills a panel and returns its image."""
-    plt = _pyplot()
+    plt = pyplot()
     num_columns = min(len(keys), 4)
     num_rows = (len(keys) + num_columns - 1) // num_columns
     figure, axes_grid = plt.subplots(num_rows, num_columns, figsize=(panel_size[0] * num_columns + 1,
@@ -240,7 +240,7 @@ def _heatmap_panels(keys: Sequence[tuple[str, str]], panel_size: tuple[float, fl
 
 
 def _score_colormap() -> Any:
-    return _pyplot().get_cmap("RdYlGn").with_extremes(bad="lightgrey")  # grey: nothing in that cell
+    return pyplot().get_cmap("RdYlGn").with_extremes(bad="lightgrey")  # grey: nothing in that cell
 
 
 def plot_passkey_heatmap(cases: Sequence[dict[str, Any]], path: Path) -> None:
