@@ -16,6 +16,7 @@ import argparse
 from pathlib import Path
 
 from megatron_lite.cli import cli_main, run_cli
+from megatron_lite.eval.arguments import add_document_arguments, add_model_arguments
 from megatron_lite.eval.diagnostics import DiagnosticsSettings, run_attention_diagnostics
 from megatron_lite.eval.scaling import parse_int_list
 
@@ -33,19 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--queries", type=int, default=64,
                         help="query rows sampled per length and document (3/4 from the last quarter, 1/4 spread)")
     parser.add_argument("--max-docs", type=int, default=1, help="documents averaged over")
-    parser.add_argument("--strip-gutenberg", action="store_true", help="strip Project Gutenberg headers/footers")
-    parser.add_argument("--split", default="test", help="HF split (hub ids)")
-    parser.add_argument("--text-field", default="text", help="text column (HF, parquet)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer (default: the checkpoint's)")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--attention-backend", default="auto",
-                        help="kernel of the forward: auto (chunked for ALiBi, sdpa otherwise) | sdpa | chunked | "
-                             "flash | reference")
-    parser.add_argument("--chunk-size", type=int, default=1024, help="query block of the chunked backend")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a key of the checkpoint's config (must keep parameter shapes)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
+    add_document_arguments(parser)
+    add_model_arguments(parser)
     return parser.parse_args(argv)
 
 

@@ -18,6 +18,7 @@ import argparse
 from pathlib import Path
 
 from megatron_lite.cli import cli_main, print_error, run_cli
+from megatron_lite.eval.arguments import add_document_arguments, add_model_arguments
 from megatron_lite.eval.long_context import DEFAULT_WINDOWS, EvalOutOfMemory, LongContextSettings, run_long_context_eval
 from megatron_lite.eval.needles import DEFAULT_DEPTHS, TASKS, task_names
 from megatron_lite.eval.scaling import parse_int_list, parse_scaling_list
@@ -49,12 +50,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="cut each document to this many characters before tokenising, so models with "
                              "different tokenizers score the same text (bits per byte)")
     parser.add_argument("--max-doc-tokens", type=int, default=32768,
-                        help="keep documents with at least this many tokens, truncated to it")
+                        help="keep documents with at least this many tokens, truncated to it (with "
+                             "--max-doc-chars: only the minimum; the cut text is scored whole)")
     parser.add_argument("--max-docs", type=int, default=100, help="use at most this many documents (paper: 100)")
-    parser.add_argument("--strip-gutenberg", action="store_true",
-                        help="strip Project Gutenberg headers/footers (raw Gutenberg files)")
-    parser.add_argument("--split", default="test", help="HF split (hub ids)")
-    parser.add_argument("--text-field", default="text", help="text column (HF, parquet)")
+    add_document_arguments(parser)
     parser.add_argument("--passkey-lengths", default="", help="passkey prompt lengths in tokens (empty: no passkey)")
     parser.add_argument("--passkey-cases", type=int, default=100, help="cases per length")
     parser.add_argument("--needles", default="none",
@@ -71,18 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "dynamic:F | linear:F | ntk:F | yarn:F | llama3:F, comma-separated")
     parser.add_argument("--seed", type=int, default=1234, help="passkey keys and depths; needle cases")
     parser.add_argument("--batch-size", type=int, default=1, help="windows (or passkey cases) per forward")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--attention-backend", default="auto",
-                        help="auto (chunked for ALiBi, fused causal sdpa otherwise) | sdpa | chunked | flash | "
-                             "reference")
-    parser.add_argument("--chunk-size", type=int, default=1024, help="query block of the chunked backend")
-    parser.add_argument("--tokenizer", default=None,
-                        help="SentencePiece .model, tokenizer.json or a directory holding one (default: the checkpoint's)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a key of every checkpoint's config (must keep parameter shapes), "
-                             "e.g. --set model.position.constraint=strict")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
+    add_model_arguments(parser)
     return parser.parse_args(argv)
 
 
