@@ -48,8 +48,6 @@ def load_step_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
     if _zero_stage(step_dir) > 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        from megatron_lite.training.stages import complete_zero_state
-
         state = get_fp32_state_dict_from_zero_checkpoint(str(step_dir.parent), tag=step_dir.name)
         # a train.stages stage's QKV slots fused back; frozen tensors ZeRO-1 leaves out from the module copy
         module = safe_load(sorted(step_dir.glob("*model_states.pt"))[0], mmap=True)["module"]
@@ -60,6 +58,20 @@ def load_step_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"{step_dir}: no mp_rank_*_model_states.pt")
         state = safe_load(files[0])["module"]
     return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+
+
+def complete_zero_state(state: dict[str, torch.Tensor], module_state: dict[str, torch.Tensor]
+                        ) -> dict[str, torch.Tensor]:
+    """DeepSpeed's ZeRO consolidation of a checkpoint made model-shaped: QKV slots joined, and tensors it
+    leaves out (ZeRO-1 keeps no copy of parameters outside the optimizer) taken from the module's own
+    state_dict, which ZeRO-1/2 save whole (ZeRO-3 saves frozen fragments, which DeepSpeed consolidates)."""
+    from megatron_lite.model.qkv_slots import join_qkv_slots
+
+    joined = join_qkv_slots(state, module_state)
+    for name, tensor in module_state.items():
+        if name not in joined and tensor.numel() > 0:
+            joined[name] = tensor
+    return joined
 
 
 def load_state_dict(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], Config, Path | None]:

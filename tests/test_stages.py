@@ -23,7 +23,7 @@ import torch
 from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.model import GPT
-from megatron_lite.training.stages import SlotQKV, join_qkv_slots
+from megatron_lite.model.qkv_slots import SlotQKV, join_qkv_slots
 from training_helpers import (
     metrics, optimizer_elements, run_train, step_weights, tiny_train_config, train_losses, write_config,
 )
