@@ -1,17 +1,19 @@
 """The package's layering, read from the source with ``ast`` (function-level imports included):
-config/, model/, data/, eval/ and convert/ never import megatron_lite.training, and no module
-imports itself back through a cycle. ``from pkg import submodule`` counts as depending on the
-submodule, ``from pkg import name`` on the package."""
+nothing in config/, model/, data/, eval/, convert/ or weights.py reaches megatron_lite.training
+through any chain of imports, and no module imports itself back through a cycle. ``from pkg import
+submodule`` counts as depending on the submodule, ``from pkg import name`` on the package; reaching a
+module also runs the ``__init__`` of every package above it, so that counts as reaching them too."""
 
 from __future__ import annotations
 
 import ast
+from collections import deque
 from pathlib import Path
 
 import pytest
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "megatron_lite"
-BELOW_TRAINING = ("config", "model", "data", "eval", "convert")
+BELOW_TRAINING = ("config", "model", "data", "eval", "convert", "weights")  # under megatron_lite.
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -89,15 +91,39 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def upward_imports(graph: dict[str, set[str]]) -> list[str]:
-    """'module -> target' for every import of megatron_lite.training from a layer below it."""
-    return sorted(f"{module} -> {target}" for module, targets in graph.items() for target in targets
-                  if module.split(".")[1:2] and module.split(".")[1] in BELOW_TRAINING
-                  and target.split(".")[:2] == ["megatron_lite", "training"])
+def is_training(module: str) -> bool:
+    return module.split(".")[:2] == ["megatron_lite", "training"]
 
 
-def test_lower_layers_never_import_training() -> None:
-    upward = upward_imports(import_graph())
+def training_chain(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    """The shortest chain of imports from ``start`` to a module of megatron_lite.training (breadth first),
+    or None. Besides its imports, a module leads to its parent packages, whose ``__init__`` runs on import."""
+    previous: dict[str, str | None] = {start: None}
+    queue = deque([start])
+    while queue:
+        module = queue.popleft()
+        if is_training(module):
+            chain = [module]
+            while (parent := previous[chain[-1]]) is not None:
+                chain.append(parent)
+            return chain[::-1]
+        parents = {module.rsplit(".", depth)[0] for depth in range(1, module.count(".") + 1)}
+        for target in sorted(graph[module] | parents):
+            if target not in previous:
+                previous[target] = module
+                queue.append(target)
+    return None
+
+
+def upward_chains(graph: dict[str, set[str]]) -> list[str]:
+    """'module -> ... -> megatron_lite.training.x' for every module below training that reaches it."""
+    chains = (training_chain(graph, module) for module in sorted(graph)
+              if module.split(".")[1:2] and module.split(".")[1] in BELOW_TRAINING)
+    return [" -> ".join(chain) for chain in chains if chain is not None]
+
+
+def test_lower_layers_never_reach_training() -> None:
+    upward = upward_chains(import_graph())
     assert not upward, "layering broken: " + "; ".join(upward)
 
 
@@ -127,10 +153,26 @@ def test_cycle_finder_sees_function_level_and_relative_imports(
     assert cycles(import_graph(root)) == expected
 
 
-def test_upward_import_is_detected(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("files", "expected"), [
+    # a function-level import in the lower module itself
+    ({"data/x.py": "def f():\n    import megatron_lite.training.loop\n"},
+     ["megatron_lite.data.x -> megatron_lite.training.loop"]),
+    # through weights.py, whose own import of training sits in a function
+    ({"data/x.py": "from megatron_lite import weights\n",
+      "weights.py": "def load():\n    from megatron_lite.training.loop import run\n"},
+     ["megatron_lite.data.x -> megatron_lite.weights -> megatron_lite.training.loop",
+      "megatron_lite.weights -> megatron_lite.training.loop"]),
+    # through the __init__ of a package above an imported module
+    ({"data/x.py": "from megatron_lite.tools.y import f\n", "tools/__init__.py": "from megatron_lite.training import loop\n",
+      "tools/y.py": "def f():\n    pass\n"},
+     ["megatron_lite.data.x -> megatron_lite.tools.y -> megatron_lite.tools -> megatron_lite.training.loop"]),
+    # training importing a lower layer is the right direction
+    ({"data/x.py": "", "training/step.py": "from megatron_lite.data import x\n"}, []),
+])
+def test_upward_chain_is_detected(tmp_path: Path, files: dict[str, str], expected: list[str]) -> None:
     root = tmp_path / "megatron_lite"
-    for relative, text in {"__init__.py": "", "training/__init__.py": "", "training/loop.py": "",
-                           "data/__init__.py": "", "data/x.py": "def f():\n    import megatron_lite.training.loop\n"}.items():
+    for relative, text in {"__init__.py": "", "training/__init__.py": "", "training/loop.py": "def run():\n    pass\n",
+                           "data/__init__.py": "", **files}.items():
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
         (root / relative).write_text(text)
-    assert upward_imports(import_graph(root)) == ["megatron_lite.data.x -> megatron_lite.training.loop"]
+    assert upward_chains(import_graph(root)) == expected
