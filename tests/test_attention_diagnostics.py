@@ -16,8 +16,9 @@ from conftest import tiny_config
 from megatron_lite.config import AttentionConfig, RopeScalingConfig
 from megatron_lite.eval import diagnostics
 from megatron_lite.model import build_model
+from megatron_lite.model.context import build_context
 from megatron_lite.model.gqa import repeat_kv
-from megatron_lite.model.position import CoCASlack, CoCAStrict, RoPE, build_context
+from megatron_lite.model.position import CoCASlack, CoCAStrict, RoPE
 from megatron_lite.model.rope import RotaryEmbedding
 from megatron_lite.weights import save_consolidated
 from script_loading import load_script

@@ -12,7 +12,8 @@ import torch
 
 from megatron_lite.model import flex
 from megatron_lite.model.attention import reference_attention, sdpa_attention
-from megatron_lite.model.position import alibi_slopes, mask_mode
+from megatron_lite.model.context import mask_mode
+from megatron_lite.model.position import alibi_slopes
 
 if not flex.flex_available():
     pytest.skip(f"FlexAttention unavailable in torch {torch.__version__}", allow_module_level=True)

@@ -33,9 +33,10 @@ import torch
 from megatron_lite import config as config_lib
 from megatron_lite.config import BACKENDS, AttentionConfig, ModelConfig
 from megatron_lite.model.attention import SelfAttention, check_backend_available
+from megatron_lite.model.context import PositionContext, build_context
 from megatron_lite.model.flex import flex_available
 from megatron_lite.model.gpt import DTYPES
-from megatron_lite.model.position import PositionContext, PositionScheme, build_context, build_position_scheme
+from megatron_lite.model.position import PositionScheme, build_position_scheme
 from megatron_lite.bench.memory import track_peak_memory
 
 # label -> (model.position.scheme, model.position.constraint)

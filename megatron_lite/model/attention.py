@@ -24,9 +24,10 @@ from torch import nn
 
 from megatron_lite.config import BACKENDS, ModelConfig
 from megatron_lite.model import flex
+from megatron_lite.model.context import MaskMode, PositionContext, mask_mode
 from megatron_lite.model.gqa import is_grouped, repeat_kv
 from megatron_lite.model.kv_cache import LayerCache
-from megatron_lite.model.position import MaskMode, PositionContext, PositionScheme, mask_mode
+from megatron_lite.model.position import PositionScheme
 
 
 def causal_allowed(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,10 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_lite.config import Config, ModelConfig, RopeScalingConfig
 from megatron_lite.model.attention import LlamaAttention, SelfAttention
+from megatron_lite.model.context import PositionContext, build_context
 from megatron_lite.model.kv_cache import KVCache, LayerCache
 from megatron_lite.model.loss import LMHead
-from megatron_lite.model.position import PositionContext, PositionScheme, build_context, build_position_scheme, build_rotary
+from megatron_lite.model.position import PositionScheme, build_position_scheme, build_rotary
 from megatron_lite.model.rope import RotaryEmbedding
 
 ACTIVATIONS = {

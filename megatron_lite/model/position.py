@@ -29,51 +29,13 @@ test oracles and the benchmark baseline, never the training path.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Literal
 
 import opt_einsum
 import torch
 from torch import nn
 
-from megatron_lite.config import AttentionConfig, ModelConfig
-from megatron_lite.model import flex
+from megatron_lite.config import ModelConfig
 from megatron_lite.model.rope import RotaryEmbedding, RotaryTables, apply_rotary, rotate
-
-# Which keys a query sees, decided from the call's structure (never by reading device tensors, which
-# would be a host sync per layer on a GPU and a graph break under torch.compile):
-#   causal   no cached keys: keys are the queries' own tokens, key j visible to query i iff j <= i;
-#   decode   one query after cached keys: it sees every key (all precede it);
-#   general  several queries after cached keys: an explicit (T, S) mask from the positions.
-# Positions are ascending and continue after what the cache holds (GPT.forward's contract).
-MaskMode = Literal["causal", "decode", "general"]
-
-
-@dataclass
-class PositionContext:
-    """Per-forward position state, built once by ``build_context`` and shared by all layers."""
-
-    positions: torch.Tensor  # (T,) int64 positions of the current tokens
-    rope_length: int  # sequence length that fixes the dynamic-NTK base for this forward/generation
-    rotary: RotaryEmbedding | None
-    tables: RotaryTables | None  # cos/sin at `positions`, None for non-rotary schemes
-    mask_mode: MaskMode = "causal"
-    last_position: int | None = None  # the last position when the call's structure tells it (no explicit positions)
-    document_ids: torch.Tensor | None = None  # (B, T) document of each token (model.attention.document_mask)
-    block_mask: Any = None  # FlexAttention BlockMask (backend flex), shared by all layers
-
-    def tables_at(self, positions: torch.Tensor) -> RotaryTables | None:
-        if self.rotary is None or self.tables is None:
-            return None
-        return self.rotary.tables(positions, self.rope_length, self.tables.cos.dtype)
-
-
-def mask_mode(cached: int, length: int) -> MaskMode:
-    """The mask of ``length`` new queries after ``cached`` keys (see MaskMode)."""
-    if cached == 0:
-        return "causal"
-    return "decode" if length == 1 else "general"
-
 
 def alibi_slopes(num_heads: int) -> list[float]:
     """Press et al. head slopes, including non-power-of-2 head counts (official get_slopes)."""
@@ -321,49 +283,3 @@ def build_rotary(config: ModelConfig) -> RotaryEmbedding | None:
         return None
     position = config.position
     return RotaryEmbedding(config.rotary_dims, position.rotary_emb_base, position.scaling, config.rotary_train_length)
-
-
-def build_context(scheme: PositionScheme, attention: AttentionConfig, input_ids_BT: torch.Tensor,
-                  positions_T: torch.Tensor | None = None, cached_positions: torch.Tensor | None = None,
-                  rope_length: int | None = None, cache_max_length: int | None = None,
-                  table_dtype: torch.dtype = torch.float32) -> PositionContext:
-    """The per-forward position state of one call: positions, rotary tables, mask mode, document ids and
-    (backend flex) the block mask. Everything is decided from the call's structure (cache or not,
-    lengths); the only device read is the last of explicit ``positions_T``, and only when the dynamic-NTK
-    length needs it and no ``rope_length`` is given.
-
-    cached_positions: (S0,) positions already in the KV cache (None or empty: no cache content).
-    rope_length: the length that fixes the dynamic-NTK base; default ``cache_max_length`` (the final
-    length of a generation) or the last position + 1.
-    """
-    length, device = input_ids_BT.shape[1], input_ids_BT.device
-    cached = 0 if cached_positions is None else int(cached_positions.shape[0])
-    last_position: int | None = None
-    if positions_T is None:
-        positions_T = torch.arange(cached, cached + length, device=device)  # (T,) continue after the cache
-        last_position = cached + length - 1
-    rotary = scheme.rotary
-    if rope_length is None:
-        if cache_max_length is not None:
-            rope_length = cache_max_length
-        elif last_position is not None:
-            rope_length = last_position + 1
-        elif rotary is not None and rotary.scaling.type == "dynamic":
-            rope_length = int(positions_T[-1]) + 1  # evaluation with explicit positions: one read per forward
-        else:
-            rope_length = length  # unused: only dynamic NTK depends on it
-    tables = rotary.tables(positions_T, rope_length, table_dtype) if rotary is not None else None
-    mode = mask_mode(cached, length)
-    document_ids = None
-    if attention.document_mask:
-        if cached:
-            raise ValueError("model.attention.document_mask: decoding with a KV cache is not supported; "
-                             "generate with document_mask=false")
-        document_ids = flex.document_ids(input_ids_BT, attention.eod_token_id)  # (B, T)
-    block_mask = None
-    if attention.backend == "flex":
-        key_positions = positions_T if not cached else torch.cat([cached_positions, positions_T])  # type: ignore[list-item]
-        block_mask = flex.build_block_mask(positions_T, key_positions, document_ids, document_ids)
-    return PositionContext(positions=positions_T, rope_length=rope_length, rotary=rotary, tables=tables,
-                           mask_mode=mode, last_position=last_position, document_ids=document_ids,
-                           block_mask=block_mask)
