@@ -16,8 +16,8 @@ from megatron_lite.config.loading import documentation_page, load, read_chain, t
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_lite.config", description="Inspect megatron_lite configs.")
     parser.add_argument("--doc", action="store_true", help="print the Markdown reference of every key")
-    parser.add_argument("--config", help="load, validate and print this YAML file resolved (bases merged, --set overrides applied), "
-                        "after a comment naming its base chain")
+    parser.add_argument("--config", help="load, validate and print this YAML file resolved (bases merged, --set "
+                        "overrides applied) after a comment naming its base chain")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args(argv)
     if args.doc:
