@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from megatron_lite import config as config_lib
+from megatron_lite.config.loading import merge_under, read_chain
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted(path for path in REPO.glob("configs/**/*.yml") if "data" not in path.relative_to(REPO / "configs").parts)
@@ -17,7 +18,7 @@ MIXES = sorted(REPO.glob("configs/data/*.yml"))
 
 def test_configs_are_shipped() -> None:
     names = {path.relative_to(REPO / "configs").as_posix() for path in SHIPPED}
-    for required in ("alibi_350m.yml", "rope_350m.yml", "coca_slack_350m.yml", "coca_strict_350m.yml", "coca_350m.yml",
+    for required in ("alibi_350m.yml", "rope_350m.yml", "coca_strict_350m.yml", "coca_350m.yml",
                      "tiny/alibi.yml", "tiny/rope.yml", "tiny/coca_slack.yml", "tiny/coca_strict.yml"):
         assert required in names
 
@@ -36,8 +37,8 @@ def test_every_shipped_mix_loads(path: Path) -> None:
 
 
 def test_paper_configs_match_the_paper() -> None:
-    for name in ("alibi", "rope", "coca_slack", "coca_strict", "coca"):
-        model = config_lib.load(REPO / f"configs/{name}_350m.yml" if name != "coca" else REPO / "configs/coca_350m.yml").model
+    for name in ("alibi", "rope", "coca_strict", "coca"):
+        model = config_lib.load(REPO / f"configs/{name}_350m.yml").model
         assert (model.num_layers, model.hidden_size, model.num_attention_heads, model.ffn_size, model.seq_length) == (24, 1024, 16, 4096, 512)
         assert model.gpt_j_residual and model.no_weight_tying and model.activation == "gelu" and model.norm == "layernorm"
         assert model.padded_vocab_size % 128 == 0 and model.vocab_size == 50000
@@ -80,6 +81,82 @@ def write(tmp_path: Path, data: dict) -> Path:
 def test_user_errors_name_the_key(tmp_path: Path, data: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         config_lib.load(write(tmp_path, data))
+
+
+def write_yaml(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_base_chain_merges_under_the_file(tmp_path: Path) -> None:
+    """Child keys win, mappings merge key by key, lists are replaced whole, chains resolve from each file's
+    own directory, --set applies last."""
+    write_yaml(tmp_path / "shared/root.yml", "model: {num_layers: 6, hidden_size: 64, num_attention_heads: 4,\n"
+               "  position: {scheme: coca, constraint: strict, rotary_emb_base: 500}}\n"
+               "train: {lr: 1.0e-3, stages: [{steps: 5, trainable: ['*']}, {steps: 5, trainable: ['*']}]}\n")
+    write_yaml(tmp_path / "shared/middle.yml", "base: root.yml\nmodel: {num_layers: 3, position: {constraint: slack}}\n"
+               "seed: 7\n")
+    child = write_yaml(tmp_path / "runs/child.yml", "base: ../shared/middle.yml\nmodel: {num_layers: 2}\n"
+                       "train: {stages: [{steps: 4, trainable: ['*']}]}\n")
+    config = config_lib.load(child, ["seed=9"])
+    assert config.model.num_layers == 2 and config.model.hidden_size == 64  # child over middle over root
+    assert (config.model.position.scheme, config.model.position.constraint, config.model.position.rotary_emb_base) \
+        == ("coca", "slack", 500.0)  # nested mapping merged across three files
+    assert [stage.steps for stage in config.train.stages] == [4] and config.train.lr == 1e-3  # list replaced
+    assert config.seed == 9
+    assert [path.name for path, _ in read_chain(child, "missing")] == ["child.yml", "middle.yml", "root.yml"]
+
+
+def test_base_merge_keeps_its_inputs() -> None:
+    base = {"model": {"position": {"scheme": "rope", "rotary_pct": 0.5}}, "seed": 1}
+    child = {"model": {"position": {"scheme": "coca"}}, "seed": None}
+    assert merge_under(base, child) == {"model": {"position": {"scheme": "coca", "rotary_pct": 0.5}}, "seed": None}
+    assert base == {"model": {"position": {"scheme": "rope", "rotary_pct": 0.5}}, "seed": 1}
+
+
+def test_base_cycle_is_refused_in_one_line(tmp_path: Path) -> None:
+    write_yaml(tmp_path / "a.yml", "base: b.yml\n")
+    write_yaml(tmp_path / "b.yml", "base: ./a.yml\n")
+    with pytest.raises(ValueError) as error:
+        config_lib.load(tmp_path / "a.yml")
+    assert str(error.value) == f"{tmp_path / 'b.yml'}: base='./a.yml' makes a cycle: {tmp_path / 'a.yml'} -> " \
+                               f"{tmp_path / 'b.yml'} -> {tmp_path / 'a.yml'}"
+    write_yaml(tmp_path / "self.yml", "base: self.yml\n")
+    with pytest.raises(ValueError, match=r"self\.yml: base='self\.yml' makes a cycle: .*self\.yml -> .*self\.yml$"):
+        config_lib.load(tmp_path / "self.yml")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("base: nope.yml\n", r"child\.yml: base='nope\.yml': file .*nope\.yml does not exist$"),
+    ("base: [a.yml]\n", r"child\.yml: base=\['a\.yml'\] \(list\): expected the path of a YAML file"),
+    ("base: ''\n", r"child\.yml: base='' \(str\): expected the path of a YAML file"),
+])
+def test_bad_base_is_refused_in_one_line(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message) as error:
+        config_lib.load(write_yaml(tmp_path / "child.yml", text))
+    assert "\n" not in str(error.value)
+
+
+def test_mix_files_take_a_base(tmp_path: Path) -> None:
+    from megatron_lite.data.mix import group_weights, load_mix
+
+    write_yaml(tmp_path / "base_mix.yml", "groups:\n  text: {weight: 3, sources: {a: {type: text, path: a.txt}}}\n"
+               "  code: {weight: 1, sources: {b: {type: text, path: b.txt}}}\n")
+    child = write_yaml(tmp_path / "mix.yml", "base: base_mix.yml\ngroups: {code: {weight: 3}}\n")
+    mix = load_mix(child)
+    assert group_weights(mix) == {"text": 0.5, "code": 0.5} and list(mix.groups["code"].sources) == ["b"]
+
+
+def test_config_cli_names_the_base_chain(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_lite.config.__main__ import main
+
+    monkeypatch.chdir(REPO)
+    assert main(["--config", "configs/tiny/coca_strict.yml"]) == 0
+    first, *rest = capsys.readouterr().out.splitlines()
+    assert first == "# base chain: configs/tiny/coca_strict.yml -> configs/tiny/coca_slack.yml (each file's keys " \
+                    "over the next's)"
+    assert yaml.safe_load("\n".join(rest))["model"]["position"]["constraint"] == "strict"
 
 
 def test_missing_file_is_a_value_error(tmp_path: Path) -> None:

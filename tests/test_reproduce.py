@@ -131,10 +131,10 @@ def test_configs_that_differ_beyond_position_are_refused(toy_books: tuple[Path, 
     config_dir = tmp_path / "configs"
     config_dir.mkdir()
     for scheme in SCHEMES:
-        config = config_lib.load(REPO / f"configs/tiny/repro_{scheme}.yml")
+        config = config_lib.load(REPO / f"configs/repro/tiny/{scheme}.yml")
         if scheme == "coca_strict":
             config.model.num_layers = 5
-        config_lib.save(config, config_dir / f"repro_{scheme}.yml")
+        config_lib.save(config, config_dir / f"{scheme}.yml")
     with pytest.raises(ValueError, match="differs .* outside model.position.*model.num_layers"):
         load_scheme_configs(ReproSettings(books=books, eval_books=eval_books, out_dir=tmp_path, config_dir=config_dir))
 

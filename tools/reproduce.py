@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES, help="models to train")
     parser.add_argument("--train-iters", type=int, default=None,
                         help="optimizer steps per model (default: cpu-tiny train.train_iters of "
-                             "configs/tiny/repro_*.yml; gpu-speedrun: from the probe)")
+                             "configs/repro/tiny/*.yml; gpu-speedrun: from the probe)")
     parser.add_argument("--windows", default=None, help="perplexity context windows (default: the profile's)")
     parser.add_argument("--stride", type=int, default=None, help="sliding-window stride (default: the training length)")
     parser.add_argument("--max-doc-tokens", type=int, default=None,
@@ -108,8 +108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="config override applied to every model, e.g. --set train.lr=1e-3")
     parser.add_argument("--config-dir", type=Path, default=None,
-                        help="directory holding repro_<scheme>.yml (default: the repository's configs/tiny or "
-                             "configs/speedrun)")
+                        help="directory holding <scheme>.yml (default: the repository's configs/repro/tiny or "
+                             "configs/repro/speedrun)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or log lines (logs still written)")
     return parser.parse_args(argv)
 

@@ -1,5 +1,6 @@
 """Reading, checking and writing configs: YAML load/save, ``--set`` overrides, validation, docs.
 
+A file may inherit from another through its top-level ``base:`` key (``read_chain``, ``merge_under``).
 User errors (unknown key, wrong type, impossible value) raise ``ValueError`` naming the dotted key
 and the offending value; unknown keys come with the closest valid name. ``docs/config.md`` is
 generated from the schema's help texts (``python -m megatron_lite.config --doc``) and a test keeps
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import types
 import typing
 from pathlib import Path
@@ -19,6 +21,8 @@ import yaml
 
 from megatron_lite.config.schema import Config, MixConfig, ModelConfig
 from megatron_lite.console import notice
+
+BASE_KEY = "base"  # top-level key of a config or mix file naming the file it inherits from
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,15 +358,58 @@ def read_yaml(path: Path) -> Any:
         raise ValueError(f"{path}: not UTF-8 text (byte {error.start})") from None
 
 
-def read_yaml_mapping(path: Path, missing: str) -> dict[str, Any]:
-    """The top-level mapping of a YAML config or mix file (empty for an empty file); ValueError
-    ``missing`` when there is no such file, one line for a syntax error or another top level."""
+def _read_file_mapping(path: Path, missing: str) -> dict[str, Any]:
+    """One file's top-level mapping as written (empty for an empty file); ValueError ``missing`` when
+    there is no such file, one line for a syntax error or another top level."""
     if not path.is_file():
         raise ValueError(missing)
     data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise ValueError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     return data
+
+
+def read_chain(path: Path, missing: str) -> list[tuple[Path, dict[str, Any]]]:
+    """``path`` and the files its ``base:`` key names, in turn (each relative to the file naming it):
+    ``[(path, its mapping without base), (its base, ...), ...]``. ValueError ``missing`` when ``path``
+    does not exist; one line naming the key and file for a missing base, or the chain for a cycle."""
+    chain: list[tuple[Path, dict[str, Any]]] = []
+    seen: list[Path] = []  # resolved, to catch a cycle however the paths are spelled
+    while True:
+        data = _read_file_mapping(path, missing)
+        seen.append(path.resolve())
+        chain.append((path, data))
+        if BASE_KEY not in data:
+            return chain
+        name = data.pop(BASE_KEY)
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"{path}: {BASE_KEY}={_describe(name)}: expected the path of a YAML file, relative "
+                             f"to {path.parent}")
+        base = Path(os.path.normpath(path.parent / name))
+        if base.resolve() in seen:
+            names = " -> ".join(str(file) for file, _ in chain)
+            raise ValueError(f"{path}: {BASE_KEY}={name!r} makes a cycle: {names} -> {base}")
+        missing = f"{path}: {BASE_KEY}={name!r}: file {base} does not exist"
+        path = base
+
+
+def merge_under(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
+    """``child`` laid over ``base``: mappings present in both merge key by key; any other child value
+    (a scalar, a list, null) replaces the base's. Neither argument is modified."""
+    merged = dict(base)
+    for key, value in child.items():
+        below = merged.get(key)
+        merged[key] = merge_under(below, value) if isinstance(below, dict) and isinstance(value, dict) else value
+    return merged
+
+
+def read_yaml_mapping(path: Path, missing: str) -> dict[str, Any]:
+    """The top-level mapping of a YAML config or mix file with its ``base:`` chain merged in (the file's
+    own keys over its base's, see ``read_chain``); empty for an empty file."""
+    merged: dict[str, Any] = {}
+    for _, data in reversed(read_chain(path, missing)):
+        merged = merge_under(merged, data)
+    return merged
 
 
 def load(path: str | Path, overrides: list[str] | None = None) -> Config:
@@ -417,10 +464,35 @@ def documentation(root: type | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+INHERITANCE_DOC = """## Inheritance (`base:`)
+
+A config file may start from another: its top-level `base:` names that file, by a path relative to the
+file itself. The base is read first and the file's own keys are laid over it: mappings merge key by key,
+and anything else the file gives (a number, a string, a list, null) replaces the base's value whole. A
+base may have a base of its own; a cycle or a missing file is refused. `--set` overrides apply last.
+Mix files (`configs/data/*.yml`) take `base:` the same way. `python -m megatron_lite.config --config
+FILE` prints the resolved config after a comment naming the chain.
+
+`configs/tiny/coca_strict.yml`, all of it:
+
+```yaml
+base: coca_slack.yml
+model:
+  position:
+    constraint: strict  # merged into coca_slack.yml's model.position: its scheme, rotary_pct, ... stay
+```
+
+Each family of shipped configs has one complete file, its CoCA slack config (`configs/coca_350m.yml`,
+`configs/tiny/coca_slack.yml`, `configs/repro/{tiny,speedrun}/coca_slack.yml`); the others give only how
+they differ from it.
+
+"""
+
+
 def documentation_page() -> str:
-    """docs/config.md: the run config and the mix-file format."""
+    """docs/config.md: inheritance, the run config and the mix-file format."""
     return (
-        "# Configuration reference\n\nGenerated by `python -m megatron_lite.config --doc`.\n\n"
-        "## Run config (`configs/*.yml`)\n\n" + documentation(Config)
+        "# Configuration reference\n\nGenerated by `python -m megatron_lite.config --doc`.\n\n" + INHERITANCE_DOC
+        + "## Run config (`configs/*.yml`)\n\n" + documentation(Config)
         + "\n## Mix files (`configs/data/*.yml`, named by `data.mix`)\n\n" + documentation(MixConfig)
     )

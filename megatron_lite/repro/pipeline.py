@@ -8,7 +8,7 @@ Phases, each timed (``OUT/wall_times.json`` keeps every invocation, so a resumed
    Python sources, by tokens) and build the tokenizer and shards in ``OUT/data/cache``; the speedrun
    unpacks and verifies its data bundle and reads the bundle's shards in place instead.
    ``probe`` (speedrun): a few steps of every scheme set the one step count (megatron_lite.repro.speedrun).
-2. ``train <scheme>``: ``python train.py --config configs/tiny/repro_<scheme>.yml --run-dir
+2. ``train <scheme>``: ``python train.py --config configs/repro/tiny/<scheme>.yml --run-dir
    OUT/runs/<scheme> --resume auto``, logged to ``OUT/logs/train_<scheme>.log``. A model whose
    latest complete checkpoint is at ``train_iters`` is skipped; an interrupted one resumes.
 3. ``perplexity <scheme>`` / ``passkey <scheme>``: the long-context evaluation library

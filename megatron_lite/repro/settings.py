@@ -1,7 +1,7 @@
 """Settings of the reproduction (both profiles), their validation, the four configs and the data mix file.
 
-Profiles: ``cpu-tiny`` (configs/tiny/repro_*.yml, books read and tokenised here) and ``gpu-speedrun``
-(configs/speedrun/repro_*.yml, a pre-tokenised data bundle, the step count from a throughput probe;
+Profiles: ``cpu-tiny`` (configs/repro/tiny/*.yml, books read and tokenised here) and ``gpu-speedrun``
+(configs/repro/speedrun/*.yml, a pre-tokenised data bundle, the step count from a throughput probe;
 megatron_lite.repro.speedrun).
 
 OUT layout: ``data/mix.yml`` + ``data/cache/`` (tokenizer, shards; the speedrun adds ``data/bundle/``),
@@ -28,8 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMES = ("alibi", "rope", "coca_slack", "coca_strict")
 PROFILES = ("cpu-tiny", "gpu-speedrun")
 PHASES = ("data", "probe", "train", "eval", "report")  # the speedrun's; cpu-tiny has no probe
-DEFAULT_CONFIG_DIR = REPO_ROOT / "configs" / "tiny"
-SPEEDRUN_CONFIG_DIR = REPO_ROOT / "configs" / "speedrun"
+DEFAULT_CONFIG_DIR = REPO_ROOT / "configs" / "repro" / "tiny"
+SPEEDRUN_CONFIG_DIR = REPO_ROOT / "configs" / "repro" / "speedrun"
 DEFAULT_WINDOWS = [128 * 2**i for i in range(6)]  # 128 ... 4096: 1x ... 32x the training length
 DEFAULT_PASSKEY_LENGTHS = [128 * 2**i for i in range(5)]  # 128 ... 2048
 DEFAULT_NTK_FACTORS = [2.0, 4.0, 8.0]
@@ -178,7 +178,7 @@ def run_dir(settings: ReproSettings, scheme: str) -> Path:
 
 
 def config_path(settings: ReproSettings, scheme: str) -> Path:
-    return settings.config_dir / f"repro_{scheme}.yml"
+    return settings.config_dir / f"{scheme}.yml"
 
 
 def all_overrides(settings: ReproSettings) -> list[str]:

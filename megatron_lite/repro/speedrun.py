@@ -1,6 +1,6 @@
 """The gpu-speedrun profile: the data bundle as the mix, the throughput probe and the step count it sets.
 
-The four models (configs/speedrun/repro_*.yml: 8 layers, width 512, 8 heads, length 512, bf16, compiled
+The four models (configs/repro/speedrun/*.yml: 8 layers, width 512, 8 heads, length 512, bf16, compiled
 on CUDA) train on the bundle's pre-tokenised shards through two ``type: megatron`` sources (75% books,
 25% Python code). Before the first model trains, every scheme runs ``probe_steps`` steps
 (``OUT/probe/<scheme>``); the slowest steady-state tokens/s and the largest start-up cost (process,
