@@ -7,7 +7,7 @@
 * the image and CI install the same pins: both use constraints.txt, the base tag's torch equals
   the torch pin, and what is installed here equals the lock (docker/check_versions.py, which the
   image build runs too);
-* every command in the README's "Run at scale" section and in docs/run_at_scale.md is parsed:
+* every command in docs/run_at_scale.md (the at-scale guide the README links to) is parsed:
   docker options, volumes and build args against the Dockerfile, deepspeed launcher flags with
   DeepSpeed's own parser, train.py / tools flags against their --help, configs loaded with the
   --set overrides, and micro batch x accumulation x GPUs against the global batch.
@@ -351,13 +351,6 @@ def test_installed_versions_equal_the_lock() -> None:
 # the documented commands
 
 
-def run_at_scale_section() -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.index("\n## Run at scale\n")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
-
-
 def shell_commands(markdown: str) -> list[str]:
     """Logical lines of the ```bash blocks (continuations joined, comments dropped)."""
     commands = []
@@ -568,37 +561,31 @@ def check_batches(found: Checked) -> None:
 
 
 @pytest.fixture(scope="module")
-def readme_checked() -> Checked:
-    return check_document(run_at_scale_section())
-
-
-@pytest.fixture(scope="module")
 def guide_checked() -> Checked:
     return check_document(DOCS.read_text())
 
 
-def test_readme_run_at_scale_commands(readme_checked: Checked) -> None:
-    check_batches(readme_checked)
-    section = run_at_scale_section()
-    launchers = [entry["launcher"] for entry in readme_checked.deepspeed]
+def test_guide_covers_the_paper_runs(guide_checked: Checked) -> None:
+    guide = DOCS.read_text()
+    launchers = [entry["launcher"] for entry in guide_checked.deepspeed]
     # the issue's command, verbatim
     assert ("docker run --gpus all -v $PWD/data:/workspace/data megatron_lite deepspeed train.py "
-            "--config configs/coca_350m.yml") in section
+            "--config configs/coca_350m.yml") in guide
     # one node, 8 GPUs, the paper's batch: 256 = 16 x 8 x 2
-    one_node = [e for e in readme_checked.deepspeed if e["launcher"].num_gpus == 8 and e["launcher"].num_nodes < 0]
+    one_node = [e for e in guide_checked.deepspeed if e["launcher"].num_gpus == 8 and e["launcher"].num_nodes < 0]
     assert any(e["config"].train.train_batch_size == 256 and e["config"].train.train_micro_batch_size_per_gpu == 16
                and e["config"].train.gradient_accumulation_steps == 2 for e in one_node)
     # several nodes: hostfile + launcher flags
     multi = [launcher for launcher in launchers if launcher.num_nodes > 1]
     assert multi and all(launcher.hostfile != "/job/hostfile" and launcher.master_addr for launcher in multi)
     for flag in ("--hostfile", "--num_nodes", "--num_gpus", "--master_addr", "--no_ssh", "--node_rank"):
-        assert flag in section
+        assert flag in guide
     # ZeRO, precision, wandb
-    assert any(c.train.zero_stage == 2 and c.precision == "fp16" for c in readme_checked.train_configs)
-    assert any(c.train.wandb.mode == "online" and c.train.wandb.project == "coca" for c in readme_checked.train_configs)
-    assert "WANDB_API_KEY" in section
+    assert any(c.train.zero_stage == 2 and c.precision == "fp16" for c in guide_checked.train_configs)
+    assert any(c.train.wandb.mode == "online" and c.train.wandb.project == "coca" for c in guide_checked.train_configs)
+    assert "WANDB_API_KEY" in guide
     for volume in VOLUMES:
-        assert volume in section
+        assert volume in guide
 
 
 def test_guide_commands(guide_checked: Checked) -> None:
@@ -635,7 +622,7 @@ def test_documented_config_keys_exist() -> None:
             node = node[part]
         return True
 
-    text = run_at_scale_section() + DOCS.read_text()
+    text = DOCS.read_text()
     keys = {key for key in re.findall(r"`((?:model|data|train)\.[a-z_][a-z0-9_.]*)(?:[=:][^`]*)?`", text)
             if not key.endswith(".py")}
     assert {"train.zero_stage", "data.cache_dir", "data.mix", "train.wandb.mode"} <= keys
@@ -655,7 +642,7 @@ def test_throughput_estimate_matches_the_formula() -> None:
     for gpu in ("A100", "H100"):
         for mfu in (0.3, 0.5):
             expected.append(f"{round(mfu * KNOWN_PEAK_TFLOPS[gpu] * 1e12 / flops):,}")
-    for text in (run_at_scale_section(), DOCS.read_text()):
-        assert "estimate" in text.lower()
-        for snippet in expected:
-            assert snippet in text, f"{snippet!r} missing: the documented estimate disagrees with the formula"
+    text = DOCS.read_text()
+    assert "estimate" in text.lower()
+    for snippet in expected:
+        assert snippet in text, f"{snippet!r} missing: the documented estimate disagrees with the formula"

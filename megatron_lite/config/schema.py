@@ -64,7 +64,7 @@ class RopeScalingConfig:
 
 @dataclass
 class PositionConfig:
-    """How positions enter the model; one interface for every scheme (DESIGN.md section 3)."""
+    """How positions enter the model; one interface for every scheme (docs/design.md)."""
 
     scheme: SchemeName = _doc(
         "Position scheme: none | learned (absolute table) | sinusoidal | alibi (Press et al.) | "

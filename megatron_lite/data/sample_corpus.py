@@ -1,4 +1,4 @@
-"""The built-in offline corpus: what every CPython installation carries (DESIGN.md section 4).
+"""The built-in offline corpus: what every CPython installation carries (docs/design.md, Data).
 
 * ``python_docs`` (English prose): the licence text of the installation, the pydoc topic pages
   (``pydoc_data.topics``), then one document per stdlib module holding its module, class and

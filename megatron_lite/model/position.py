@@ -1,4 +1,4 @@
-"""Every position scheme behind one interface (DESIGN.md section 3).
+"""Every position scheme behind one interface (docs/design.md).
 
 A scheme turns per-head projections into what an ordinary attention kernel consumes:
 
