@@ -16,6 +16,8 @@ from megatron_lite.config import PositionConfig
 
 @dataclass(frozen=True)
 class SchemeVariant:
+    """One position scheme a user can pick, and what callers outside the schemes need to know of it."""
+
     label: str  # how CLIs, benches, result files and run directories name it: 'rope', 'coca_slack'
     scheme: str  # model.position.scheme
     constraint: str = "slack"  # model.position.constraint; only the coca scheme has more than one
