@@ -37,15 +37,10 @@ from megatron_lite.model.context import PositionContext, build_context
 from megatron_lite.model.flex import flex_available
 from megatron_lite.model.gpt import DTYPES
 from megatron_lite.model.position import PositionScheme, build_position_scheme
+from megatron_lite.model.variants import PAPER_LABELS, variant_named
 from megatron_lite.bench.memory import track_peak_memory
 
-# label -> (model.position.scheme, model.position.constraint)
-SCHEMES: dict[str, tuple[str, str]] = {
-    "alibi": ("alibi", "slack"),
-    "rope": ("rope", "slack"),
-    "coca_slack": ("coca", "slack"),
-    "coca_strict": ("coca", "strict"),
-}
+SCHEMES = PAPER_LABELS  # the four schemes the paper compares, by label
 BASELINE = "rope"
 MB = 2**20
 GB = 2**30
@@ -170,14 +165,14 @@ def resolve_settings(settings: BenchSettings) -> BenchSettings:
 
 
 def model_config(settings: BenchSettings, label: str, backend: str) -> ModelConfig:
-    scheme, constraint = SCHEMES[label]
+    variant = variant_named(label)
     data = {
         "model": {
             "num_layers": 1,
             "hidden_size": settings.hidden_size,
             "num_attention_heads": settings.num_heads,
             "seq_length": max(settings.seq_lens),  # only dynamic NTK reads it; no scaling here
-            "position": {"scheme": scheme, "constraint": constraint},
+            "position": {"scheme": variant.scheme, "constraint": variant.constraint},
             "attention": {"backend": backend, "chunk_size": settings.chunk_size},
         },
         "precision": settings.dtype,
@@ -215,24 +210,25 @@ def estimate_peak_bytes(
     scores = batch * heads * seq_len * seq_len  # elements of one (B, H, N, N) tensor
     bias = heads * seq_len * seq_len  # elements of the ALiBi (H, N, N) bias
     quadratic = 0
+    variant = variant_named(label)
     if backend == "reference":
         quadratic = 4 * scores * score_elem + seq_len * seq_len  # scores/probs/grads + bool causal mask
-        if label == "alibi":
+        if variant.alibi_bias:
             quadratic += bias * score_elem
-        if label == "coca_strict":
+        if variant.pairwise_keys:
             quadratic += int(4.5 * scores * head_dim * elem)  # the Eq. 10 key tensor (B, H, N, N, D) + rotary temporaries
     elif backend == "flex":
         blocks = -(-seq_len // 128)
         if torch.device(device).type in ("cpu", "mps"):
             quadratic = 5 * scores * score_elem + seq_len * seq_len  # see the docstring
-            if label == "alibi":
+            if variant.alibi_bias:
                 quadratic += bias * score_elem
         quadratic += 4 * blocks * blocks * 4  # block mask: counts and indices (int32), full and partial
-    elif label == "alibi" and backend == "sdpa":
+    elif variant.alibi_bias and backend == "sdpa":
         # The fused CPU kernel rejects the 3-D (H, T, S) bias, so the math path materialises
         # (B, H, N, N) scores and probabilities next to the bias.
         quadratic = bias * elem + 2 * scores * score_elem
-    elif label == "alibi" and backend == "chunked":
+    elif variant.alibi_bias and backend == "chunked":
         # Math path per query block: every block's probabilities are saved for backward, and the
         # last block's bias + scores are alive on top of them.
         starts = range(0, seq_len, chunk_size)

@@ -32,16 +32,12 @@ from megatron_lite.config import Config
 from megatron_lite.files import write_text_atomic
 from megatron_lite.model import GPT
 from megatron_lite.model.attention import check_backend_available
+from megatron_lite.model.variants import LABELS, variant_named
 from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
 
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = ("env", "parity", "throughput", "memory", "train", "sync")
-# label -> (position.scheme, position.constraint)
-SCHEMES: dict[str, tuple[str, str]] = {
-    "none": ("none", "slack"), "learned": ("learned", "slack"), "sinusoidal": ("sinusoidal", "slack"),
-    "alibi": ("alibi", "slack"), "rope": ("rope", "slack"), "coca_slack": ("coca", "slack"),
-    "coca_strict": ("coca", "strict"),
-}
+SCHEMES = LABELS  # every scheme, by label
 COMPILE_ORDER = ("coca_slack", "coca_strict", "rope", "alibi", "none", "learned", "sinusoidal")
 PARITY_BACKENDS = ("sdpa", "flash", "flex", "chunked")
 NO_CUDA_MESSAGE = "no CUDA device: gpu_check measures a GPU (use --smoke to check the tool on CPU)"
@@ -105,15 +101,10 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def scheme_overrides(label: str) -> list[str]:
-    scheme, constraint = SCHEMES[label]
-    return [f"model.position.scheme={scheme}", f"model.position.constraint={constraint}"]
-
-
 def big_config(settings: CheckSettings, label: str, backend: str = "sdpa", precision: str = "bf16",
                extra: tuple[str, ...] = ()) -> Config:
     """The 350M config (tiny one under --smoke) with this scheme, backend and precision."""
-    overrides = [*scheme_overrides(label), f"model.attention.backend={backend}", f"precision={precision}", *extra]
+    overrides = [*variant_named(label).overrides, f"model.attention.backend={backend}", f"precision={precision}", *extra]
     if settings.smoke:  # tiny_config-like dimensions: every section in seconds on two CPU cores
         return config_lib.load(REPO / CONFIG_TINY, [*SMOKE_DIMENSIONS, *overrides])
     return config_lib.load(REPO / CONFIG_350M, overrides)
@@ -153,11 +144,11 @@ def section_env(settings: CheckSettings, progress: Progress) -> list[dict[str, A
 # parity
 
 def parity_config(smoke: bool, label: str, backend: str, precision: str) -> Config:
-    scheme, constraint = SCHEMES[label]
+    variant = variant_named(label)
     hidden, heads, seq = (64, 4, 32) if smoke else (512, 8, 512)
     model = {"num_layers": 2, "hidden_size": hidden, "num_attention_heads": heads, "seq_length": seq,
              "max_position_embeddings": seq, "vocab_size": 250 if smoke else 1000, "make_vocab_size_divisible_by": 128,
-             "position": {"scheme": scheme, "constraint": constraint, "rotary_pct": 1.0},
+             "position": {"scheme": variant.scheme, "constraint": variant.constraint, "rotary_pct": 1.0},
              "attention": {"backend": backend, "chunk_size": seq // 4}}
     return config_lib.from_dict({"model": model, "seed": 7, "precision": precision})
 
@@ -354,7 +345,7 @@ def section_throughput(settings: CheckSettings, progress: Progress) -> list[dict
 
 def long_context_backends(label: str, flash: bool, flex: bool) -> list[str]:
     """The scheme's long-context backend first, then flex as an extra row where available."""
-    if label == "alibi":
+    if variant_named(label).alibi_bias:
         backends = ["flash" if flash else "chunked"]
     else:
         backends = ["sdpa"]
@@ -379,7 +370,7 @@ def section_memory(settings: CheckSettings, progress: Progress) -> list[dict[str
                 rows.append(row)
                 continue
             # learned positions stop at max_position_embeddings: a table as long as the window
-            extra = (f"model.max_position_embeddings={length}",) if label == "learned" else ()
+            extra = (f"model.max_position_embeddings={length}",) if variant_named(label).position_table else ()
             try:
                 config = big_config(settings, label, backend, precision="fp32" if settings.smoke else "bf16",
                                     extra=extra)

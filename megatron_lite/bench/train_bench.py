@@ -27,25 +27,17 @@ import torch.nn.functional as F
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
 from megatron_lite.model import GPT, language_model_loss
+from megatron_lite.model.variants import LABELS, SchemeVariant, variant_named
 from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
 
-# label -> (scheme, constraint) of every scheme timed compiled vs eager
-COMPILE_SCHEMES: dict[str, tuple[str, str]] = {
-    "none": ("none", "slack"),
-    "learned": ("learned", "slack"),
-    "sinusoidal": ("sinusoidal", "slack"),
-    "alibi": ("alibi", "slack"),
-    "rope": ("rope", "slack"),
-    "coca_slack": ("coca", "slack"),
-    "coca_strict": ("coca", "strict"),
-}
+COMPILE_SCHEMES = LABELS  # every scheme is timed compiled vs eager
 
-# label -> (our scheme, constraint) or "hf"
-MODELS: dict[str, tuple[str, str] | str] = {
-    "hf_gpt_neox_rope": "hf",
-    "ours_rope": ("rope", "slack"),
-    "ours_coca_slack": ("coca", "slack"),
-    "ours_coca_strict": ("coca", "strict"),
+# label -> our scheme variant, or None for transformers' GPTNeoXForCausalLM
+MODELS: dict[str, SchemeVariant | None] = {
+    "hf_gpt_neox_rope": None,
+    "ours_rope": variant_named("rope"),
+    "ours_coca_slack": variant_named("coca_slack"),
+    "ours_coca_strict": variant_named("coca_strict"),
 }
 
 
@@ -124,20 +116,17 @@ def _fused_step_fn(model: torch.nn.Module, batch: torch.Tensor) -> Callable[[], 
     return step
 
 
-def _scheme_model(config: Config, scheme: str, constraint: str) -> GPT:
+def _scheme_model(config: Config, variant: SchemeVariant) -> GPT:
     torch.manual_seed(config.seed)
-    variant = config_lib.with_overrides(config, [f"model.position.scheme={scheme}",
-                                                 f"model.position.constraint={constraint}"])
-    return GPT(variant.model).train()
+    return GPT(config_lib.with_overrides(config, variant.overrides).model).train()
 
 
 def _build(label: str, config: Config) -> tuple[torch.nn.Module, bool]:
     spec = MODELS[label]
     torch.manual_seed(config.seed)
-    if spec == "hf":
+    if spec is None:
         return hf_gpt_neox(config).train(), True
-    scheme, constraint = spec
-    return _scheme_model(config, scheme, constraint), False
+    return _scheme_model(config, spec), False
 
 
 def _interleaved(steps: dict[str, Callable[[], None]], settings: TrainBenchSettings,
@@ -210,9 +199,8 @@ def run_compile_comparison(settings: TrainBenchSettings, config: Config, batch: 
     steps: dict[str, Callable[[], None]] = {}
     compile_seconds: dict[str, float] = {}
     for name in settings.compile_schemes:
-        scheme, constraint = COMPILE_SCHEMES[name]
         for mode in ("eager", "compiled"):
-            model = _scheme_model(config, scheme, constraint)
+            model = _scheme_model(config, variant_named(name))
             if mode == "compiled":
                 model.compile(backend=settings.compile_backend)
             step = _fused_step_fn(model, batch)

@@ -32,6 +32,7 @@ from megatron_lite.convert.hf_export import write_hf_metadata
 from megatron_lite.convert.hf_import import import_hf
 from megatron_lite.convert.sharded import open_shards, write_consolidated_shards, write_hf_shards
 from megatron_lite.model.gpt import DTYPES
+from megatron_lite.model.variants import variant_named, variant_of_position
 from megatron_lite.weights import check_tensors, expected_shapes, load_state_dict, save_consolidated_metadata
 
 TARGETS = ("hf", "safetensors", "megatron_lite")
@@ -76,7 +77,7 @@ def rope_to_coca(config: Config, constraint: str) -> Config:
     the function — CoCA scores (q * R q).(R t) (slack) or (R u).(R w) (strict) differ from RoPE's
     (R q).(R k), so logits change until the model is fine-tuned (the paper's stages 1-3).
     """
-    if config.model.position.scheme != "rope":
+    if variant_of_position(config.model.position) != variant_named("rope"):
         raise ValueError(f"--coca converts a RoPE model; this one has model.position.scheme={config.model.position.scheme!r}")
     if constraint not in ("slack", "strict"):
         raise ValueError(f"--coca {constraint!r}: must be slack or strict")

@@ -13,10 +13,10 @@ from typing import Any
 from megatron_lite.config import ModelConfig
 from megatron_lite.convert import hf_llama
 from megatron_lite.convert.hf_rope import position_section, rope_fields, rope_settings
+from megatron_lite.model.variants import variant_of_position
 
 STOCK_MODEL_TYPE = "gpt_neox"
 REMOTE_MODEL_TYPE = "megatron_lite_gpt"
-STOCK_SCHEMES = ("none", "rope")  # expressible by the stock GPTNeoXForCausalLM
 HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 ACTIVATIONS_FROM_HF = {"gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "relu": "relu"}
 GPT_NEOX_DEFAULT_ROTARY_PCT = 0.25  # what GPTNeoXConfig assumes when a config names none
@@ -24,7 +24,7 @@ GPT_NEOX_DEFAULT_ROTARY_PCT = 0.25  # what GPTNeoXConfig assumes when a config n
 
 def uses_stock_model(model: ModelConfig) -> bool:
     """Whether a stock transformers class (GPTNeoX, Llama, Qwen2) expresses the model, or remote code must."""
-    return hf_llama.uses_stock_model(model) if model.is_llama else model.position.scheme in STOCK_SCHEMES
+    return hf_llama.uses_stock_model(model) if model.is_llama else variant_of_position(model.position).stock_gpt_neox
 
 
 def hf_config_fields(model: ModelConfig) -> dict[str, Any]:

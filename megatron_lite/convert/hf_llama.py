@@ -13,6 +13,7 @@ from typing import Any
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.convert.hf_rope import position_section, rope_fields, rope_settings
+from megatron_lite.model.variants import variant_of_position
 
 STOCK_LLAMA_TYPE = "llama"
 STOCK_QWEN2_TYPE = "qwen2"
@@ -21,7 +22,7 @@ LLAMA_MODEL_TYPES = (STOCK_LLAMA_TYPE, "mistral", STOCK_QWEN2_TYPE, REMOTE_LLAMA
 
 
 def uses_stock_model(model: ModelConfig) -> bool:
-    return model.position.scheme == "rope" and model.position.rotary_pct == 1.0
+    return variant_of_position(model.position).stock_llama and model.position.rotary_pct == 1.0
 
 
 def stock_model_type(model: ModelConfig) -> str:

@@ -20,13 +20,14 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from megatron_lite.config import ROTARY_SCHEMES, ModelConfig
+from megatron_lite.config import ModelConfig
+from megatron_lite.model.variants import variant_of, variant_of_position
 
 
 def rope_fields(model: ModelConfig) -> tuple[dict[str, Any], int]:
     """(rope_parameters, max_position_embeddings) as HF must see them to compute our frequencies."""
     position, scaling = model.position, model.position.scaling
-    if model.position.scheme == "none":  # stock GPT-NeoX with zero rotary dims = no positions at all
+    if variant_of_position(model.position).positionless:  # stock GPT-NeoX with zero rotary dims = no positions at all
         return {"rope_type": "default", "rope_theta": position.rotary_emb_base, "partial_rotary_factor": 0.0}, model.max_positions
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": position.rotary_emb_base,
                               "partial_rotary_factor": position.rotary_pct}
@@ -65,7 +66,8 @@ def position_section(hf: dict[str, Any], rope: dict[str, Any], scheme: str) -> t
     max_positions = int(hf.get("max_position_embeddings", 2048))
     seq_length, scaling = max_positions, {"type": "none"}
     kind = rope["rope_type"]
-    if scheme in ROTARY_SCHEMES:
+    variant = variant_of(scheme, hf.get("coca_constraint", "slack"))
+    if variant.rotary:
         if kind in ("linear", "dynamic"):
             scaling = {"type": kind, "factor": float(rope["factor"])}
         elif kind == "yarn":
@@ -81,9 +83,8 @@ def position_section(hf: dict[str, Any], rope: dict[str, Any], scheme: str) -> t
         elif kind != "default":
             raise ValueError(f"config.json rope_parameters.rope_type={kind!r}: supported are default, linear, dynamic, "
                              "yarn, llama3")
-    position: dict[str, Any] = {"scheme": scheme, "scaling": scaling, "rotary_emb_base": float(rope["rope_theta"])}
-    if scheme != "none":  # written for every scheme by our exporter; only rope/coca use it
+    position: dict[str, Any] = {"scheme": variant.scheme, "constraint": variant.constraint, "scaling": scaling,
+                                "rotary_emb_base": float(rope["rope_theta"])}
+    if not variant.positionless:  # written for every scheme by our exporter; only rotary schemes use it
         position["rotary_pct"] = float(rope["partial_rotary_factor"])
-    if scheme == "coca":
-        position["constraint"] = hf.get("coca_constraint", "slack")
     return position, seq_length, max_positions

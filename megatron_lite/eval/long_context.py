@@ -37,6 +37,7 @@ from megatron_lite.eval.report import write_reports
 from megatron_lite.eval.results_cache import ResultCache, checkpoint_fingerprint, fingerprint
 from megatron_lite.eval.scaling import NO_SCALING, ScalingSpec
 from megatron_lite.model.gpt import DTYPES, GPT
+from megatron_lite.model.variants import variant_of_position
 from megatron_lite.weights import LoadedModel, load_model
 
 DEFAULT_WINDOWS = [512 * 2**i for i in range(7)]  # 512 ... 32K
@@ -158,7 +159,7 @@ def choose_attention(config: config_lib.Config, requested: str, chunk_size: int,
     window and head group); other schemes: sdpa's causal kernel, which never materialises T x T."""
     if requested != "auto":
         return AttentionChoice(requested, chunk_size, "--attention-backend")
-    if config.model.position.scheme == "alibi":
+    if variant_of_position(config.model.position).alibi_bias:
         return AttentionChoice("chunked", chunk_size, "ALiBi bias built per query block: O(chunk x T) memory")
     if config.model.attention.backend == "flash" and device.startswith("cuda"):
         return AttentionChoice("flash", chunk_size, "the checkpoint's backend")
@@ -182,7 +183,7 @@ def with_attention(loaded: LoadedModel, choice: AttentionChoice) -> GPT:
 
 def max_supported_length(config: config_lib.Config) -> int | None:
     """Learned absolute positions cannot go past their table; every other scheme extrapolates."""
-    return config.model.max_positions if config.model.position.scheme == "learned" else None
+    return config.model.max_positions if variant_of_position(config.model.position).position_table else None
 
 
 class EvalOutOfMemory(RuntimeError):

@@ -12,6 +12,7 @@ import torch
 from megatron_lite import config as config_lib
 from megatron_lite.config import ModelConfig
 from megatron_lite.model.gpt import GPT
+from megatron_lite.model.variants import variant_of_position
 
 
 def analytic_parameter_count(model: ModelConfig) -> int:
@@ -38,7 +39,7 @@ def analytic_parameter_count(model: ModelConfig) -> int:
     total = vocab * h + model.num_layers * per_layer + final_norm
     if model.no_weight_tying:
         total += vocab * h
-    if model.position.scheme == "learned":
+    if variant_of_position(model.position).position_table:
         total += model.max_positions * h
     return total
 

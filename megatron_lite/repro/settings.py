@@ -23,9 +23,10 @@ import yaml
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
 from megatron_lite.files import file_sha256, write_text_atomic
+from megatron_lite.model.variants import PAPER_LABELS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCHEMES = ("alibi", "rope", "coca_slack", "coca_strict")
+SCHEMES = PAPER_LABELS  # the four models, by label (configs repro_<label>.yml)
 PROFILES = ("cpu-tiny", "gpu-speedrun")
 PHASES = ("data", "probe", "train", "eval", "report")  # the speedrun's; cpu-tiny has no probe
 DEFAULT_CONFIG_DIR = REPO_ROOT / "configs" / "repro" / "tiny"
