@@ -2,9 +2,11 @@
 """CoCA reproduction: train ALiBi, RoPE, CoCA slack and CoCA strict models that differ only in the position
 scheme, then evaluate long-context perplexity and passkey retrieval. Two profiles:
 
-    # cpu-tiny: 2.9M-parameter models on CPU, books tokenised here (the default profile)
-    python tools/reproduce.py --profile cpu-tiny --books ../shared/data/gutenberg \\
-        --eval-books ../shared/data/pg19_test --out runs/repro_tiny
+    # cpu-tiny: 2.9M-parameter models on CPU, books tokenised here (the default profile); --books and
+    # --eval-books take a directory of .txt books or a datasets id ID[:SPLIT[:COLUMN]] (written out once
+    # under OUT/data/books); data/eval holds two PG-19 test books shipped with the repository
+    python tools/reproduce.py --profile cpu-tiny --books emozilla/pg19:train --eval-books data/eval \\
+        --out runs/repro_tiny
     # gpu-speedrun: 25M-parameter models on one GPU from a data bundle (tools/build_data_bundle.py), <= 9 min
     python tools/reproduce.py --profile gpu-speedrun --bundle speedrun_bundle.tar.xz --out runs/speedrun
 
@@ -21,6 +23,7 @@ import sys
 from pathlib import Path
 
 from megatron_lite.cli import cli_main, print_error, run_cli
+from megatron_lite.data.book_specs import books_directory
 from megatron_lite.eval.scaling import parse_int_list
 from megatron_lite.repro.settings import (DEFAULT_NTK_FACTORS, DEFAULT_PASSKEY_LENGTHS, DEFAULT_WINDOWS, PHASES,
                                           PROFILES, SCHEMES, SPEEDRUN_CONFIG_DIR, ReproSettings, SpeedrunBudget)
@@ -62,12 +65,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", choices=PROFILES, default="cpu-tiny",
                         help="cpu-tiny: 2.9M-parameter models on CPU; gpu-speedrun: 25M-parameter models on one GPU "
                              "from a data bundle, the step count from a throughput probe")
-    parser.add_argument("--books", type=Path, default=None,
+    parser.add_argument("--books", default=None,
                         help="cpu-tiny: training books, a directory of raw Project Gutenberg .txt files (headers are "
-                             "stripped)")
-    parser.add_argument("--eval-books", type=Path, default=None,
-                        help="cpu-tiny: evaluation books (the PG-19 test set), a directory of .txt (or parquet) books, "
-                             "held out (gpu-speedrun: the bundle's)")
+                             "stripped) or a datasets id ID[:SPLIT[:COLUMN]] (split train), e.g. emozilla/pg19:train")
+    parser.add_argument("--eval-books", default=None,
+                        help="cpu-tiny: evaluation books, held out: a directory of .txt books (data/eval: two PG-19 "
+                             "test books shipped with the repository) or a datasets id (split test), e.g. "
+                             "emozilla/pg19-test (gpu-speedrun: the bundle's)")
+    parser.add_argument("--dataset-max-books", type=int, default=100,
+                        help="a datasets id given to --books or --eval-books: stream at most this many books")
     parser.add_argument("--bundle", type=Path, default=None,
                         help="gpu-speedrun: the data bundle (tools/build_data_bundle.py), unpacked into OUT/data/bundle "
                              "and verified")
@@ -131,6 +137,13 @@ def settings_from_args(args: argparse.Namespace) -> ReproSettings:
         raise ValueError("--books/--eval-books: the gpu-speedrun profile reads its books from --bundle")
     if not speedrun and args.bundle is not None:
         raise ValueError(f"--bundle: only the gpu-speedrun profile reads a bundle (--profile {args.profile})")
+    if args.dataset_max_books < 1:
+        raise ValueError(f"--dataset-max-books {args.dataset_max_books}: must be >= 1")
+    books_cache = args.out / "data" / "books"  # where a datasets id's books are written out
+    books = None if args.books is None else books_directory(args.books, "--books", books_cache, "train",
+                                                             args.dataset_max_books)
+    eval_books = None if args.eval_books is None else books_directory(args.eval_books, "--eval-books", books_cache,
+                                                                      "test", args.dataset_max_books)
     passkey_lengths = str(_profile_default(args, "passkey_lengths"))
     windows = str(_profile_default(args, "windows"))
     budget = SpeedrunBudget(total_seconds=args.budget_seconds, eval_seconds_per_model=args.eval_seconds,
@@ -139,7 +152,7 @@ def settings_from_args(args: argparse.Namespace) -> ReproSettings:
         raise ValueError(f"--probe-steps {args.probe_steps}: must be >= 2 (the first interval holds the compile)")
     phases = [phase.strip() for phase in args.only.split(",") if phase.strip()]
     settings = ReproSettings(
-        books=args.books, eval_books=args.eval_books, out_dir=args.out, profile=args.profile, bundle=args.bundle,
+        books=books, eval_books=eval_books, out_dir=args.out, profile=args.profile, bundle=args.bundle,
         dry_run=args.dry_run, phases=phases if speedrun else [p for p in phases if p != "probe"], budget=budget,
         schemes=args.schemes, train_iters=args.train_iters, windows=parse_int_list(windows, "--windows"),
         stride=args.stride, max_doc_tokens=int(_profile_default(args, "max_doc_tokens")),  # type: ignore[arg-type]
