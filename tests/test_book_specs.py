@@ -128,9 +128,9 @@ def test_quick_resolves_to_its_documented_values() -> None:
     quick = tool.settings_from_args(_parse("--quick"))
     assert (quick.ppl_docs, quick.strip_gutenberg) == (str(REPO / "data" / "eval"), True)
     assert (quick.windows, quick.stride, quick.max_doc_tokens, quick.max_docs) == ([128, 256], 64, 1024, 2)
-    assert (quick.passkey_lengths, quick.passkey_cases) == ([128, 256], 4)
+    assert (quick.passkey_lengths, quick.passkey_cases) == ([128, 256], 2)
     assert (quick.needles, quick.needle_lengths, quick.needle_cases) == (
-        ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt"], [256, 512], 2)
+        ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt"], [256, 512], 1)
     full = tool.settings_from_args(_parse("--ppl-docs", "data/eval"))
     assert (full.windows[0], full.stride, full.max_doc_tokens, full.max_docs) == (512, 512, 32768, 100)
     assert (full.passkey_lengths, full.passkey_cases, full.needles, full.strip_gutenberg) == ([], 100, [], False)

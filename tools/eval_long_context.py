@@ -37,7 +37,9 @@ def parse_depths(text: str) -> list[float]:
 
 
 # Flags whose default --quick changes: a smoke test of perplexity, passkey and every needle task on the
-# shipped books (data/eval), sized for the tiny configs (training length 128): 1x and 2x, a few cases each.
+# shipped books (data/eval), sized for the tiny configs (training length 128): windows and passkey prompts
+# at 1x and 2x, needle prompts at 256 and 512 (the shortest lengths that hold every task's prompt), a case
+# or two each; the needles' generation (up to 128 new tokens a case) is most of the time.
 FULL_DEFAULTS: dict[str, object] = {
     "ppl_docs": None, "windows": ",".join(map(str, DEFAULT_WINDOWS)), "stride": 512, "max_doc_tokens": 32768,
     "max_docs": 100, "passkey_lengths": "", "passkey_cases": 100, "needles": "none", "needle_lengths": "",
@@ -45,8 +47,8 @@ FULL_DEFAULTS: dict[str, object] = {
 }
 QUICK_DEFAULTS: dict[str, object] = {
     "ppl_docs": str(SAMPLE_BOOKS), "windows": "128,256", "stride": 64, "max_doc_tokens": 1024, "max_docs": 2,
-    "passkey_lengths": "128,256", "passkey_cases": 4, "needles": "all", "needle_lengths": "256,512",
-    "needle_cases": 2,
+    "passkey_lengths": "128,256", "passkey_cases": 2, "needles": "all", "needle_lengths": "256,512",
+    "needle_cases": 1,
 }
 
 
