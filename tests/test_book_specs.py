@@ -46,7 +46,9 @@ def fake_hub(monkeypatch: pytest.MonkeyPatch, parquet_file: Path) -> list[dict[s
     return calls
 
 
-def test_local_paths_and_dataset_ids(tmp_path: Path, parquet_file: Path) -> None:
+def test_local_paths_and_dataset_ids(tmp_path: Path, parquet_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
     assert text_source(str(SAMPLE_BOOKS), "--ppl-docs").type == "text"
     assert text_source(str(parquet_file.parent), "--ppl-docs").type == "parquet"
     assert text_source(str(parquet_file), "--ppl-docs").type == "parquet"
@@ -58,7 +60,8 @@ def test_local_paths_and_dataset_ids(tmp_path: Path, parquet_file: Path) -> None
     assert (full.path, full.split, full.text_field) == ("emozilla/pg19", "validation", "body")
     assert text_source("emozilla/pg19", "--books", split="train", text_field="content").split == "train"
     for spec, message in [(str(tmp_path / "missing"), "no such file or directory"),
-                          ("data/evall/books.txt", "no such file or directory"),
+                          ("books/pg19.txt", "no such file or directory"),
+                          ("data/evall", "no such file or directory"),  # "data" exists: a mistyped path
                           ("owner/name:train:text:extra", "not an existing path, nor a datasets id"),
                           ("owner/name::text", "not an existing path, nor a datasets id")]:
         with pytest.raises(ValueError, match=f"^--books '{spec}': {message}"):
@@ -108,9 +111,11 @@ def test_a_saved_dataset_dict_is_written_out_by_split(tmp_path: Path) -> None:
 def test_reproduce_writes_out_dataset_books_under_out(tmp_path: Path, fake_hub: list[dict[str, Any]]) -> None:
     reproduce = load_script("tools/reproduce.py")
     out = tmp_path / "out"
-    settings = reproduce.settings_from_args(reproduce.parse_args(
-        ["--books", "someone/books:train:content", "--eval-books", "data/eval", "--out", str(out),
-         "--dataset-max-books", "3"]))
+    args = reproduce.parse_args(["--books", "someone/books:train:content", "--eval-books", "data/eval",
+                                 "--out", str(out), "--dataset-max-books", "3"])
+    reproduce.settings_from_args(args)
+    assert not fake_hub  # parsing never downloads
+    settings = reproduce.with_books_on_disk(reproduce.settings_from_args(args), args)
     assert settings.books is not None and settings.books.parent == out / "data" / "books"
     assert len(list(settings.books.glob("*.txt"))) == 3 and fake_hub[0]["split"] == "train"
     assert settings.eval_books == Path("data/eval")

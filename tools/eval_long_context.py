@@ -5,6 +5,8 @@
         --ppl-docs emozilla/pg19-test --windows 512,1024,2048,4096,8192,16384,32768 --stride 512 \\
         --passkey-lengths 512,1024,2048,4096 --scaling none,dynamic:2,dynamic:4,dynamic:8,linear:4,yarn:4 \\
         --needles all --needle-lengths 512,1024,2048,4096 --needle-cases 20 --needle-depths 0,0.25,0.5,0.75,1
+    # a smoke test from a clone: the shipped books (data/eval), a tiny model (configs/tiny), < 3 min on 2 CPU cores
+    python tools/eval_long_context.py --checkpoints runs/coca_slack --out runs/eval_quick --quick
 
 Writes OUT/results.json, OUT/tables.md, OUT/perplexity_vs_window.png, OUT/passkey_heatmap.png,
 OUT/needles_heatmap.png, OUT/passkey_cases.json, OUT/needle_cases.json and OUT/run_info.json;
@@ -84,18 +86,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "repository), a parquet file/dir, a save_to_disk dataset, or a datasets id "
                     "ID[:SPLIT[:COLUMN]], e.g. emozilla/pg19-test", quick_shown="data/eval, --strip-gutenberg"))
     parser.add_argument("--windows", default=argparse.SUPPRESS, help=_preset("windows", "context windows L"))
-    parser.add_argument("--stride", default=argparse.SUPPRESS, type=int, help=_preset("stride", "sliding-window stride S"))
+    parser.add_argument("--stride", default=argparse.SUPPRESS, type=int,
+                        help=_preset("stride", "sliding-window stride S"))
     parser.add_argument("--max-doc-chars", type=int, default=None,
                         help="cut each document to this many characters before tokenising, so models with "
                              "different tokenizers score the same text (bits per byte)")
     parser.add_argument("--max-doc-tokens", default=argparse.SUPPRESS, type=int, help=_preset(
         "max_doc_tokens", "keep documents with at least this many tokens, truncated to it (with "
                           "--max-doc-chars: only the minimum; the cut text is scored whole)"))
-    parser.add_argument("--max-docs", default=argparse.SUPPRESS, type=int, help=_preset("max_docs", "use at most this many documents (paper: 100)"))
+    parser.add_argument("--max-docs", default=argparse.SUPPRESS, type=int,
+                        help=_preset("max_docs", "use at most this many documents (paper: 100)"))
     add_document_arguments(parser)
     parser.add_argument("--passkey-lengths", default=argparse.SUPPRESS, help=_preset(
         "passkey_lengths", "passkey prompt lengths in tokens (empty: no passkey)"))
-    parser.add_argument("--passkey-cases", default=argparse.SUPPRESS, type=int, help=_preset("passkey_cases", "cases per length"))
+    parser.add_argument("--passkey-cases", default=argparse.SUPPRESS, type=int,
+                        help=_preset("passkey_cases", "cases per length"))
     parser.add_argument("--needles", default=argparse.SUPPRESS, help=_preset(
         "needles", f"needle-suite tasks: all | none | a comma list of {', '.join(TASKS)}"))
     parser.add_argument("--needle-lengths", default=argparse.SUPPRESS, help=_preset(

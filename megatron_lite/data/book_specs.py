@@ -38,9 +38,11 @@ class DatasetId:
 
 
 def looks_local(spec: str) -> bool:
-    """A spec written as a file-system path (even a missing one), never a ``datasets`` id."""
+    """A spec written as a file-system path (even a missing one), never a ``datasets`` id: so a mistyped
+    path (``data/evall``, its first part an existing directory) is reported, not looked up on the hub."""
     head = spec.split(":", 1)[0]
-    return spec.startswith((".", "/", "~")) or head.endswith(tuple(_FILE_TYPES)) or head.count("/") > 1
+    return (spec.startswith((".", "/", "~")) or head.endswith(tuple(_FILE_TYPES)) or head.count("/") > 1
+            or Path(head.split("/", 1)[0]).is_dir())
 
 
 def parse_dataset_id(spec: str, flag: str, split: str, column: str) -> DatasetId:
