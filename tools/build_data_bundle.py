@@ -1,8 +1,12 @@
 #!/usr/bin/env python
 """Build the speedrun's data bundle: tokenizer + pre-tokenised shards (75% books, 25% Python) + held-out books, .tar.xz.
 
-    python tools/build_data_bundle.py --books ../shared/data/gutenberg ../shared/data/gutenberg_more \\
-        --eval-books ../shared/data/pg19_test --out bundles/speedrun_bundle.tar.xz --wheels wheels
+    python tools/build_data_bundle.py --books emozilla/pg19:train --eval-books data/eval \\
+        --out bundles/speedrun_bundle.tar.xz --wheels wheels
+
+--books and --eval-books take directories of .txt books or datasets ids ID[:SPLIT[:COLUMN]] (streamed,
+at most --dataset-max-books books each, written out as .txt under --work-dir/books or a temporary dir);
+data/eval holds two PG-19 test books shipped with the repository.
 
 The same inputs give the same bytes (fixed order, mtimes, owners and lzma filters). Prints the tokens per
 group (at least --min-tokens in all, or it fails), the bundle's size and sha256, and what must travel to
@@ -19,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_lite.cli import cli_main, run_cli
+from megatron_lite.data.book_specs import books_directory
 from megatron_lite.repro.bundle import BundleSpec, build_bundle, default_code_dirs, timed_unpack
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -47,9 +52,13 @@ def wheels_bytes(directory: Path | None) -> int:
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--books", type=Path, nargs="+", required=True, help="directories of Gutenberg .txt books")
-    parser.add_argument("--eval-books", type=Path, required=True,
-                        help="held-out evaluation books (.txt), shipped as text and excluded from training")
+    parser.add_argument("--books", nargs="+", required=True,
+                        help="directories of Gutenberg .txt books or datasets ids (split train), e.g. emozilla/pg19")
+    parser.add_argument("--eval-books", required=True,
+                        help="held-out evaluation books, shipped as text and excluded from training: a directory of "
+                             ".txt books (e.g. data/eval) or a datasets id (split test), e.g. emozilla/pg19-test")
+    parser.add_argument("--dataset-max-books", type=int, default=400,
+                        help="a datasets id given to --books or --eval-books: stream at most this many books")
     parser.add_argument("--out", type=Path, required=True, help="the bundle, BUNDLE.tar.xz")
     parser.add_argument("--code", type=Path, nargs="+", default=None,
                         help="directories of .py files for the code group (default: the standard library and "
@@ -65,20 +74,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     for flag, value in (("--vocab-size", args.vocab_size), ("--min-tokens", args.min_tokens),
-                        ("--sample-chars", args.sample_chars), ("--workers", args.workers)):
+                        ("--sample-chars", args.sample_chars), ("--workers", args.workers),
+                        ("--dataset-max-books", args.dataset_max_books)):
         if value < 1:
             raise ValueError(f"{flag} {value}: must be positive")
     if args.out.name.endswith(".sha256") or args.out.is_dir():
         raise ValueError(f"--out {args.out}: expected a file name such as speedrun_bundle.tar.xz")
-    for directory in args.books:
-        if not directory.is_dir():
-            raise ValueError(f"--books {directory}: no such directory")
     extra = wheels_bytes(args.wheels)
-    spec = BundleSpec(books=tuple(args.books), eval_books=args.eval_books, out=args.out,
-                      code=tuple(args.code) if args.code else default_code_dirs(), vocab_size=args.vocab_size,
-                      min_tokens=args.min_tokens, sample_chars=args.sample_chars, workers=args.workers,
-                      work_dir=args.work_dir, progress=not args.no_progress)
-    result = build_bundle(spec)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".books-", dir=args.out.parent) as scratch:
+        books_cache = args.work_dir / "books" if args.work_dir is not None else Path(scratch)
+        books = tuple(books_directory(given, "--books", books_cache, "train", args.dataset_max_books)
+                      for given in args.books)
+        eval_books = books_directory(args.eval_books, "--eval-books", books_cache, "test", args.dataset_max_books)
+        spec = BundleSpec(books=books, eval_books=eval_books, out=args.out,
+                          code=tuple(args.code) if args.code else default_code_dirs(), vocab_size=args.vocab_size,
+                          min_tokens=args.min_tokens, sample_chars=args.sample_chars, workers=args.workers,
+                          work_dir=args.work_dir, progress=not args.no_progress)
+        result = build_bundle(spec)
     tokens = result.manifest["tokens"]
     for excluded in result.excluded:
         print(f"excluded from training (an evaluation book has its content): {excluded}")

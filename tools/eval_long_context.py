@@ -5,6 +5,8 @@
         --ppl-docs emozilla/pg19-test --windows 512,1024,2048,4096,8192,16384,32768 --stride 512 \\
         --passkey-lengths 512,1024,2048,4096 --scaling none,dynamic:2,dynamic:4,dynamic:8,linear:4,yarn:4 \\
         --needles all --needle-lengths 512,1024,2048,4096 --needle-cases 20 --needle-depths 0,0.25,0.5,0.75,1
+    # a smoke test from a clone: the shipped books (data/eval), a tiny model (configs/tiny), < 3 min on 2 CPU cores
+    python tools/eval_long_context.py --checkpoints runs/coca_slack --out runs/eval_quick --quick
 
 Writes OUT/results.json, OUT/tables.md, OUT/perplexity_vs_window.png, OUT/passkey_heatmap.png,
 OUT/needles_heatmap.png, OUT/passkey_cases.json, OUT/needle_cases.json and OUT/run_info.json;
@@ -18,6 +20,7 @@ import argparse
 from pathlib import Path
 
 from megatron_lite.cli import cli_main, print_error, run_cli
+from megatron_lite.data.book_specs import SAMPLE_BOOKS
 from megatron_lite.eval.arguments import add_document_arguments, add_model_arguments
 from megatron_lite.eval.long_context import DEFAULT_WINDOWS, EvalOutOfMemory, LongContextSettings, run_long_context_eval
 from megatron_lite.eval.needles import DEFAULT_DEPTHS, TASKS, task_names
@@ -35,32 +38,75 @@ def parse_depths(text: str) -> list[float]:
     return depths
 
 
+# Flags whose default --quick changes: a smoke test of perplexity, passkey and every needle task on the
+# shipped books (data/eval), sized for the tiny configs (training length 128): windows and passkey prompts
+# at 1x and 2x, needle prompts at 256 and 512 (the shortest lengths that hold every task's prompt), a case
+# or two each; the needles' generation (up to 128 new tokens a case) is most of the time.
+FULL_DEFAULTS: dict[str, object] = {
+    "ppl_docs": None, "windows": ",".join(map(str, DEFAULT_WINDOWS)), "stride": 512, "max_doc_tokens": 32768,
+    "max_docs": 100, "passkey_lengths": "", "passkey_cases": 100, "needles": "none", "needle_lengths": "",
+    "needle_cases": 20,
+}
+QUICK_DEFAULTS: dict[str, object] = {
+    "ppl_docs": str(SAMPLE_BOOKS), "windows": "128,256", "stride": 64, "max_doc_tokens": 1024, "max_docs": 2,
+    "passkey_lengths": "128,256", "passkey_cases": 2, "needles": "all", "needle_lengths": "256,512",
+    "needle_cases": 1,
+}
+
+
+def _preset(name: str, text: str, quick_shown: str | None = None) -> str:
+    """Help for a flag with a --quick default (its argparse default is SUPPRESS, so a flag not given is absent
+    from the namespace and apply_presets fills it)."""
+    return f"{text} (default: {FULL_DEFAULTS[name]!s}; --quick: {quick_shown or QUICK_DEFAULTS[name]!s})"
+
+
+def apply_presets(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill every preset flag not given: --quick's value with --quick, else the full default. The shipped
+    books are raw Project Gutenberg files, so --quick's own --ppl-docs strips their headers."""
+    preset = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
+    if args.quick and not hasattr(args, "ppl_docs"):
+        args.strip_gutenberg = True
+    for name, value in preset.items():
+        if not hasattr(args, name):
+            setattr(args, name, value)
+    return args
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--checkpoints", nargs="+", required=True, metavar="[NAME=]DIR",
                         help="run dirs (latest checkpoint), step dirs or consolidated dirs; NAME= labels the rows")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--ppl-docs", default=None,
-                        help="documents: a directory of .txt books, parquet file/dir, or a HF hub id (test split), "
-                             "e.g. emozilla/pg19-test")
-    parser.add_argument("--windows", default=",".join(map(str, DEFAULT_WINDOWS)), help="context windows L")
-    parser.add_argument("--stride", type=int, default=512, help="sliding-window stride S")
+    parser.add_argument("--quick", action="store_true", default=False,
+                        help="a smoke test: the shipped books, windows and prompt lengths for a 128-token model, "
+                             "a few passkey and needle cases (flags given explicitly still win)")
+    parser.add_argument("--ppl-docs", default=argparse.SUPPRESS, help=_preset(
+        "ppl_docs", "documents: a directory of .txt books (data/eval: two PG-19 test books shipped with the "
+                    "repository), a parquet file/dir, a save_to_disk dataset, or a datasets id "
+                    "ID[:SPLIT[:COLUMN]], e.g. emozilla/pg19-test", quick_shown="data/eval, --strip-gutenberg"))
+    parser.add_argument("--windows", default=argparse.SUPPRESS, help=_preset("windows", "context windows L"))
+    parser.add_argument("--stride", default=argparse.SUPPRESS, type=int,
+                        help=_preset("stride", "sliding-window stride S"))
     parser.add_argument("--max-doc-chars", type=int, default=None,
                         help="cut each document to this many characters before tokenising, so models with "
                              "different tokenizers score the same text (bits per byte)")
-    parser.add_argument("--max-doc-tokens", type=int, default=32768,
-                        help="keep documents with at least this many tokens, truncated to it (with "
-                             "--max-doc-chars: only the minimum; the cut text is scored whole)")
-    parser.add_argument("--max-docs", type=int, default=100, help="use at most this many documents (paper: 100)")
+    parser.add_argument("--max-doc-tokens", default=argparse.SUPPRESS, type=int, help=_preset(
+        "max_doc_tokens", "keep documents with at least this many tokens, truncated to it (with "
+                          "--max-doc-chars: only the minimum; the cut text is scored whole)"))
+    parser.add_argument("--max-docs", default=argparse.SUPPRESS, type=int,
+                        help=_preset("max_docs", "use at most this many documents (paper: 100)"))
     add_document_arguments(parser)
-    parser.add_argument("--passkey-lengths", default="", help="passkey prompt lengths in tokens (empty: no passkey)")
-    parser.add_argument("--passkey-cases", type=int, default=100, help="cases per length")
-    parser.add_argument("--needles", default="none",
-                        help=f"needle-suite tasks: all | none | a comma list of {', '.join(TASKS)}")
-    parser.add_argument("--needle-lengths", default="", help="needle prompt lengths in tokens (needed by --needles)")
-    parser.add_argument("--needle-cases", type=int, default=20,
-                        help="cases per task x length, cycling over --needle-depths")
+    parser.add_argument("--passkey-lengths", default=argparse.SUPPRESS, help=_preset(
+        "passkey_lengths", "passkey prompt lengths in tokens (empty: no passkey)"))
+    parser.add_argument("--passkey-cases", default=argparse.SUPPRESS, type=int,
+                        help=_preset("passkey_cases", "cases per length"))
+    parser.add_argument("--needles", default=argparse.SUPPRESS, help=_preset(
+        "needles", f"needle-suite tasks: all | none | a comma list of {', '.join(TASKS)}"))
+    parser.add_argument("--needle-lengths", default=argparse.SUPPRESS, help=_preset(
+        "needle_lengths", "needle prompt lengths in tokens (needed by --needles)"))
+    parser.add_argument("--needle-cases", default=argparse.SUPPRESS, type=int, help=_preset(
+        "needle_cases", "cases per task x length, cycling over --needle-depths"))
     parser.add_argument("--needle-depths", default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS),
                         help="depths of the answer needle, as fractions of the haystack")
     parser.add_argument("--needle-haystack", default="noise",
@@ -71,7 +117,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234, help="passkey keys and depths; needle cases")
     parser.add_argument("--batch-size", type=int, default=1, help="windows (or passkey cases) per forward")
     add_model_arguments(parser)
-    return parser.parse_args(argv)
+    return apply_presets(parser.parse_args(argv))
 
 
 def settings_from_args(args: argparse.Namespace) -> LongContextSettings:

@@ -2,9 +2,11 @@
 """CoCA reproduction: train ALiBi, RoPE, CoCA slack and CoCA strict models that differ only in the position
 scheme, then evaluate long-context perplexity and passkey retrieval. Two profiles:
 
-    # cpu-tiny: 2.9M-parameter models on CPU, books tokenised here (the default profile)
-    python tools/reproduce.py --profile cpu-tiny --books ../shared/data/gutenberg \\
-        --eval-books ../shared/data/pg19_test --out runs/repro_tiny
+    # cpu-tiny: 2.9M-parameter models on CPU, books tokenised here (the default profile); --books and
+    # --eval-books take a directory of .txt books or a datasets id ID[:SPLIT[:COLUMN]] (written out once
+    # under OUT/data/books); data/eval holds two PG-19 test books shipped with the repository
+    python tools/reproduce.py --profile cpu-tiny --books emozilla/pg19:train --eval-books data/eval \\
+        --out runs/repro_tiny
     # gpu-speedrun: 25M-parameter models on one GPU from a data bundle (tools/build_data_bundle.py), <= 9 min
     python tools/reproduce.py --profile gpu-speedrun --bundle speedrun_bundle.tar.xz --out runs/speedrun
 
@@ -18,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from megatron_lite.cli import cli_main, print_error, run_cli
+from megatron_lite.data.book_specs import books_directory
 from megatron_lite.eval.scaling import parse_int_list
 from megatron_lite.repro.settings import (DEFAULT_NTK_FACTORS, DEFAULT_PASSKEY_LENGTHS, DEFAULT_WINDOWS, PHASES,
                                           PROFILES, SCHEMES, SPEEDRUN_CONFIG_DIR, ReproSettings, SpeedrunBudget)
@@ -62,12 +66,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile", choices=PROFILES, default="cpu-tiny",
                         help="cpu-tiny: 2.9M-parameter models on CPU; gpu-speedrun: 25M-parameter models on one GPU "
                              "from a data bundle, the step count from a throughput probe")
-    parser.add_argument("--books", type=Path, default=None,
+    parser.add_argument("--books", default=None,
                         help="cpu-tiny: training books, a directory of raw Project Gutenberg .txt files (headers are "
-                             "stripped)")
-    parser.add_argument("--eval-books", type=Path, default=None,
-                        help="cpu-tiny: evaluation books (the PG-19 test set), a directory of .txt (or parquet) books, "
-                             "held out (gpu-speedrun: the bundle's)")
+                             "stripped) or a datasets id ID[:SPLIT[:COLUMN]] (split train), e.g. "
+                             "emozilla/pg19:train")
+    parser.add_argument("--eval-books", default=None,
+                        help="cpu-tiny: evaluation books, held out: a directory of .txt books (data/eval: two PG-19 "
+                             "test books shipped with the repository) or a datasets id (split test), e.g. "
+                             "emozilla/pg19-test (gpu-speedrun: the bundle's)")
+    parser.add_argument("--dataset-max-books", type=int, default=100,
+                        help="a datasets id given to --books or --eval-books: stream at most this many books")
     parser.add_argument("--bundle", type=Path, default=None,
                         help="gpu-speedrun: the data bundle (tools/build_data_bundle.py), unpacked into OUT/data/bundle "
                              "and verified")
@@ -131,6 +139,8 @@ def settings_from_args(args: argparse.Namespace) -> ReproSettings:
         raise ValueError("--books/--eval-books: the gpu-speedrun profile reads its books from --bundle")
     if not speedrun and args.bundle is not None:
         raise ValueError(f"--bundle: only the gpu-speedrun profile reads a bundle (--profile {args.profile})")
+    if args.dataset_max_books < 1:
+        raise ValueError(f"--dataset-max-books {args.dataset_max_books}: must be >= 1")
     passkey_lengths = str(_profile_default(args, "passkey_lengths"))
     windows = str(_profile_default(args, "windows"))
     budget = SpeedrunBudget(total_seconds=args.budget_seconds, eval_seconds_per_model=args.eval_seconds,
@@ -139,7 +149,8 @@ def settings_from_args(args: argparse.Namespace) -> ReproSettings:
         raise ValueError(f"--probe-steps {args.probe_steps}: must be >= 2 (the first interval holds the compile)")
     phases = [phase.strip() for phase in args.only.split(",") if phase.strip()]
     settings = ReproSettings(
-        books=args.books, eval_books=args.eval_books, out_dir=args.out, profile=args.profile, bundle=args.bundle,
+        books=_as_path(args.books), eval_books=_as_path(args.eval_books), out_dir=args.out, profile=args.profile,
+        bundle=args.bundle,
         dry_run=args.dry_run, phases=phases if speedrun else [p for p in phases if p != "probe"], budget=budget,
         schemes=args.schemes, train_iters=args.train_iters, windows=parse_int_list(windows, "--windows"),
         stride=args.stride, max_doc_tokens=int(_profile_default(args, "max_doc_tokens")),  # type: ignore[arg-type]
@@ -159,6 +170,21 @@ def settings_from_args(args: argparse.Namespace) -> ReproSettings:
     return settings
 
 
+def _as_path(spec: str | None) -> Path | None:
+    return None if spec is None else Path(spec)
+
+
+def with_books_on_disk(settings: ReproSettings, args: argparse.Namespace) -> ReproSettings:
+    """The settings with --books / --eval-books as directories of .txt books: a datasets id's books are
+    streamed and written out once under OUT/data/books (parsing alone never downloads)."""
+    cache = args.out / "data" / "books"
+    books = None if args.books is None else books_directory(args.books, "--books", cache, "train",
+                                                             args.dataset_max_books)
+    eval_books = None if args.eval_books is None else books_directory(args.eval_books, "--eval-books", cache,
+                                                                      "test", args.dataset_max_books)
+    return replace(settings, books=books, eval_books=eval_books)
+
+
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     from megatron_lite.eval.long_context import EvalOutOfMemory
@@ -166,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     try:
-        results = run_reproduction(settings_from_args(args))
+        results = run_reproduction(with_books_on_disk(settings_from_args(args), args))
     except (TrainingFailed, EvalOutOfMemory) as error:
         print_error(error)
         return 1

@@ -11,8 +11,10 @@ from megatron_lite.model.gpt import DTYPES
 def add_document_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strip-gutenberg", action="store_true",
                         help="strip Project Gutenberg headers/footers (raw Gutenberg files)")
-    parser.add_argument("--split", default="test", help="HF split (hub ids)")
-    parser.add_argument("--text-field", default="text", help="text column (HF, parquet)")
+    parser.add_argument("--split", default="test",
+                        help="split of a datasets id given without :SPLIT (and of a save_to_disk dataset dict)")
+    parser.add_argument("--text-field", default="text",
+                        help="text column of parquet files and of a datasets id given without :COLUMN")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:

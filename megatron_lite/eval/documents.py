@@ -1,9 +1,9 @@
 """Evaluation documents (PG-19 style books): read, clean, tokenise, keep the long ones, truncate.
 
-``--ppl-docs`` is a directory of .txt books (one book per file), a directory or file of parquet
-(one book per row, column ``text``), a single .txt file, or a Hugging Face hub id read with
-``datasets`` (split ``test``; e.g. ``emozilla/pg19-test``, the parquet copy of the PG-19 test set;
-``pg19`` / ``deepmind/pg19`` where the installed ``datasets`` still runs loading scripts).
+``--ppl-docs`` is a book spec (``megatron_lite.data.book_specs``): a directory of .txt books (one book
+per file; the repository ships two PG-19 test books in ``data/eval``), a directory or file of parquet
+(one book per row, column ``--text-field``), a single .txt file, or a ``datasets`` id ``ID[:SPLIT[:COLUMN]]``
+(default split ``test``; e.g. ``emozilla/pg19-test``, the parquet copy of the PG-19 test set).
 Reading reuses the data pipeline's readers and cleaning (newline normalisation, optional
 Project Gutenberg header/footer stripping).
 """
@@ -11,12 +11,12 @@ Project Gutenberg header/footer stripping).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from megatron_lite.data.cleaning import Cleaner
 from megatron_lite.config import SourceConfig
+from megatron_lite.data.book_specs import text_source
+from megatron_lite.data.cleaning import Cleaner
 from megatron_lite.data.records import BadRecord
 from megatron_lite.data.sources import read_source
 from megatron_lite.data.tokenizer import AnyTokenizer
@@ -45,28 +45,7 @@ class EvalDocuments:
 def source_for(spec: str, split: str = "test", text_field: str = "text", strip_gutenberg: bool = False,
                max_documents: int | None = None) -> SourceConfig:
     """The data-pipeline source a ``--ppl-docs`` value stands for."""
-    path = Path(spec)
-    common = dict(path=spec, text_field=text_field, strip_gutenberg=strip_gutenberg, normalize_newlines=True,
-                  deduplicate=False, min_chars=1, max_documents=max_documents)
-    if path.is_dir():
-        if any(path.rglob("*.parquet")):
-            return SourceConfig(type="parquet", **common)  # type: ignore[arg-type]
-        if any(path.rglob("*.txt")):
-            return SourceConfig(type="text", **common)  # type: ignore[arg-type]
-        if (path / "dataset_info.json").is_file() or (path / "state.json").is_file() \
-                or (path / "dataset_dict.json").is_file():
-            return SourceConfig(type="hf", split=split, **common)  # type: ignore[arg-type]
-        raise ValueError(f"--ppl-docs {spec!r}: directory holds no .txt or .parquet files")
-    if path.is_file():
-        if path.suffix == ".parquet":
-            return SourceConfig(type="parquet", **common)  # type: ignore[arg-type]
-        if path.suffix == ".txt":
-            return SourceConfig(type="text", **common)  # type: ignore[arg-type]
-        raise ValueError(f"--ppl-docs {spec!r}: a file must be .txt or .parquet")
-    if spec.startswith((".", "/", "~")) or spec.endswith((".txt", ".parquet")) or spec.count("/") > 1:
-        raise ValueError(f"--ppl-docs {spec!r}: no such file or directory")
-    # A hub id: stream, so the first max_documents books are read without fetching the whole split.
-    return SourceConfig(type="hf", split=split, streaming=True, **common)  # type: ignore[arg-type]
+    return text_source(spec, "--ppl-docs", split, text_field, strip_gutenberg, max_documents)
 
 
 def scored_text_bytes(tokenizer: AnyTokenizer, token_ids: list[int]) -> int:
