@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,12 @@ ROTARY_SCHEMES = [s for s in SCHEMES if s[0] in ("rope", "coca")]
 ROTARY_IDS = ["rope", "coca_slack", "coca_strict"]
 SHARED_MEMORY = Path("/dev/shm")
 DEEPSPEED_SHM_BUFFERS = "deepspeed_allreduce_buffer_*"  # DeepSpeed's CPU all-reduce buffers (~67 MB each)
+
+# Tiny models gain nothing from intra-op threads, and on a 2-core machine a second thread spins against
+# every other busy process (a tiny overfit test: 12 s with 2 threads beside one busy process, 1.3 s with 1).
+# The environment variable carries the setting into the tools and train.py runs the tests start.
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -84,6 +84,7 @@ POSITIONS = [  # (ZeRO stage, file)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("stage", "name"), POSITIONS)
 def test_crafted_pickle_is_refused_by_resume_load_model_and_converter(runs: dict[int, Path], tmp_path: Path,
                                                                       stage: int, name: str,
@@ -113,6 +114,7 @@ def test_crafted_pickle_is_refused_by_resume_load_model_and_converter(runs: dict
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_crafted_pickle_without_a_manifest_is_refused_too(runs: dict[int, Path], tmp_path: Path) -> None:
     """A checkpoint with no manifest (an older version's, or one with the manifest deleted) is still unpickled
     safely; a plain (non-zip) pickle is refused as well."""
@@ -131,6 +133,7 @@ def test_crafted_pickle_without_a_manifest_is_refused_too(runs: dict[int, Path],
     assert not marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_damaged_checkpoint_falls_back_and_finishes_bitwise_equal(runs: dict[int, Path], tmp_path: Path,
                                                                     damage: str) -> None:
@@ -157,6 +160,7 @@ def test_damaged_checkpoint_falls_back_and_finishes_bitwise_equal(runs: dict[int
     assert result.keys() == expected.keys() and all(torch.equal(result[k], expected[k]) for k in expected)
 
 
+@pytest.mark.slow
 def test_every_checkpoint_damaged_is_one_line_not_a_fresh_start(runs: dict[int, Path], tmp_path: Path) -> None:
     run, config = copy_run(runs[2], tmp_path / "run")
     for step_dir in checkpoint_dirs.complete_checkpoints(run / checkpoint_dirs.CHECKPOINTS_DIR):
@@ -166,6 +170,7 @@ def test_every_checkpoint_damaged_is_one_line_not_a_fresh_start(runs: dict[int, 
         find_resume_checkpoint("auto", run, ONE_PROCESS)
 
 
+@pytest.mark.slow
 def test_manifest_lists_every_file_and_extra_pickles_are_refused(runs: dict[int, Path], tmp_path: Path) -> None:
     run, _ = copy_run(runs[3], tmp_path / "run")
     step_dir = latest_step(run)
@@ -181,6 +186,7 @@ def test_manifest_lists_every_file_and_extra_pickles_are_refused(runs: dict[int,
         "(added after the save?)"]
 
 
+@pytest.mark.slow
 def test_checkpoint_without_manifest_loads_with_a_notice(runs: dict[int, Path], tmp_path: Path) -> None:
     run, _ = copy_run(runs[0], tmp_path / "run")
     step_dir = latest_step(run)
@@ -189,6 +195,7 @@ def test_checkpoint_without_manifest_loads_with_a_notice(runs: dict[int, Path], 
         load_model(step_dir)
 
 
+@pytest.mark.slow
 def test_safe_load_reads_deepspeed_optimizer_states_and_names_unreadable_files(runs: dict[int, Path],
                                                                                tmp_path: Path) -> None:
     state = safe_load(latest_step(runs[2]) / "zero_pp_rank_0_mp_rank_00_optim_states.pt")

@@ -66,6 +66,7 @@ def test_llama_gqa_compiles_as_one_graph_and_equals_eager(scheme: str, constrain
     assert_same_step(model, lambda fn: torch.compile(fn, fullgraph=True, backend="aot_eager"), 1e-5)
 
 
+@pytest.mark.slow
 def test_inductor_compiles_coca_slack() -> None:
     """One real (inductor) compile: generated kernels, not only the traced graph."""
     torch._dynamo.reset()
@@ -80,6 +81,7 @@ def test_compile_in_place_keeps_state_dict_keys() -> None:
     assert list(model.state_dict()) == keys and not any("_orig_mod" in key for key in keys)
 
 
+@pytest.mark.slow
 def test_compiled_run_resumes_eagerly_and_converts(training_corpus, tmp_path: Path) -> None:
     """train.compile=true for 2 steps (inductor), then the same run resumed with it off to step 4, then the
     checkpoint exported to Hugging Face: the keys never change with compilation."""

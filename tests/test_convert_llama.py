@@ -194,6 +194,7 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
 
+@pytest.mark.slow
 def test_conversion_holds_about_one_shard_in_memory(tmp_path: Path) -> None:
     """A 400 MB model in 8 shards converts with the process's peak memory growing by far less than the model:
     it is never whole in memory (a whole-model conversion grows it by >= 400 MB)."""

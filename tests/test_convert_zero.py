@@ -23,7 +23,7 @@ import pytest
 import torch
 
 # The worker saves with DeepSpeed directly, not through train.py: its step dirs have no MANIFEST.json.
-pytestmark = pytest.mark.filterwarnings("ignore:.*no MANIFEST.json:UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:.*no MANIFEST.json:UserWarning"), pytest.mark.slow]
 
 STAGES = (0, 1, 2, 3)
 STEPS = 2

@@ -24,6 +24,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
     return out, time.perf_counter() - start
 
 
+@pytest.mark.slow
 def test_smoke_writes_every_section(smoke_run: tuple[Path, float]) -> None:
     out, _ = smoke_run
     results = json.loads((out / "gpu_check.json").read_text())

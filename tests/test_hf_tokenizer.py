@@ -178,6 +178,7 @@ def test_cache_retokenises_when_the_tokenizer_changes(world: dict[str, Path], tm
     assert with_eos.tokenizer.sha256 == tokenizer_sha256(world["bos_eos"])
 
 
+@pytest.mark.slow
 def test_vocabulary_mismatch_is_one_line(world: dict[str, Path], tmp_path: Path) -> None:
     raw = tiny_train_config(world["mix"], tmp_path / "cache")
     raw["model"]["vocab_size"] = 300
@@ -189,6 +190,7 @@ def test_vocabulary_mismatch_is_one_line(world: dict[str, Path], tmp_path: Path)
     assert f"data.tokenizer.model={str(world['llama'])!r}" in lines[0]
 
 
+@pytest.mark.slow
 def test_trains_generates_and_converts_with_its_tokenizer(world: dict[str, Path], tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     raw = tiny_train_config(world["mix"], tmp_path / "cache", train_iters=6, eval_interval=6, save_interval=6)

@@ -34,7 +34,7 @@ BUILD_TIMEOUT = 1500  # s; from scratch the build took 2.5-3.5 min here (numbers
 RUN_TIMEOUT = 600
 UID = 1000  # the Dockerfile's default USER_UID
 
-pytestmark = pytest.mark.image
+pytestmark = [pytest.mark.image, pytest.mark.slow]
 
 
 def _docker_engine_runs() -> bool:

@@ -11,8 +11,12 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from megatron_lite.training.jit_lock import LOCK_WARN_ENV, extensions_root, lock_files
 from training_helpers import REPO, tiny_train_config, train_command, write_config
+
+pytestmark = pytest.mark.slow  # multi-rank or end-to-end runs of train.py
 
 OP = "deepspeed_shm_comm"
 

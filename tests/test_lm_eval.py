@@ -22,6 +22,8 @@ from megatron_lite.data.tokenizer import Tokenizer
 from megatron_lite.model import GPT, build_model
 from test_convert_hf import converter_config, export, train_small_tokenizer
 
+pytestmark = pytest.mark.slow  # end-to-end: lm-evaluation-harness on exported checkpoints
+
 lm_eval = pytest.importorskip("lm_eval")
 
 TASK = "megatron_lite_tiny_loglikelihood"

@@ -218,6 +218,7 @@ def test_shards_have_no_text_to_read(tmp_path: Path) -> None:
         next(read_source(source, "s"))
 
 
+@pytest.mark.slow
 def test_train_py_runs_on_megatron_shards(tmp_path: Path, model_path: Path) -> None:
     root = tmp_path / "shards"
     write_shard(root / "a_text_document", random_docs(40, 10, multi=True), code=8)

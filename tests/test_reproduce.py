@@ -59,6 +59,7 @@ def toy_argv(books: Path, eval_books: Path, out: Path, *extra: str) -> list[str]
     return argv
 
 
+@pytest.mark.slow
 def test_toy_reproduction_end_to_end_and_resume(toy_books: tuple[Path, Path], tmp_path: Path) -> None:
     books, eval_books = toy_books
     out = tmp_path / "repro"

@@ -64,6 +64,7 @@ def test_user_errors_are_one_line(argv: list[str], message: str, tmp_path: Path,
     assert message in error and len(error.splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_sigterm_reaches_train_py_which_saves_and_the_rerun_resumes(tmp_path: Path) -> None:
     """``timeout`` or a scheduler signals only the reproduction; train.py must still save and stop."""
     books = write_books(tmp_path / "books", [f"book{i}" for i in range(4)], 30, seed=3)
@@ -100,6 +101,7 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_bundle(tmp_path_factory.mktemp("speedrun_bundle"))
 
 
+@pytest.mark.slow
 def test_dry_run_of_every_phase_from_a_bundle_on_a_bare_node(tiny_bundle: Path, tmp_path: Path) -> None:
     """Two calls (--only data,probe,train; then eval,report), as a run split under a time limit would be,
     in processes where wandb, datasets, zstandard and matplotlib cannot be imported."""

@@ -114,6 +114,7 @@ def staged_runs(training_corpus, family: Family, tmp_path_factory: pytest.TempPa
     return StagedRuns(family, training_corpus, tmp_path_factory.mktemp(f"stages_{family.name}"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero", [0, 1, 3])  # ZeRO-1 consolidates no frozen tensors: weights.py adds them
 def test_frozen_tensors_and_rows_stay_bitwise_and_trainable_ones_train(staged_runs, family: Family, zero: int) -> None:
     run = staged_runs[zero][0]
@@ -155,6 +156,7 @@ def test_optimizer_state_only_for_trainable_elements_and_counts_logged(staged_ru
     assert lrs[5] == pytest.approx(2.0e-3) and lrs[8] == pytest.approx(3.0e-3)  # stage 2's own peak lr
 
 
+@pytest.mark.slow
 def test_sigkill_inside_stage_2_resumes_bitwise(training_corpus, staged_runs, family: Family, tmp_path: Path) -> None:
     """Killed right after step 5 (stage 2, checkpoint 4 complete): --resume auto reloads stage 2's engine and
     optimizer state and ends bitwise equal to the uninterrupted run."""
@@ -177,6 +179,7 @@ def test_sigkill_inside_stage_2_resumes_bitwise(training_corpus, staged_runs, fa
         assert not [name for name in ours if not torch.equal(ours[name], theirs[name])], step
 
 
+@pytest.mark.slow
 def test_zero3_resumes_inside_a_slot_stage_and_at_a_stage_boundary(training_corpus, staged_runs, family: Family,
                                                                    tmp_path: Path) -> None:
     """ZeRO-3: stop at step 2 (inside stage 1, QKV split into slots), resume and stop at 3 (the end of stage
@@ -260,6 +263,7 @@ def test_stage_config_errors_name_the_key(training_corpus, train: dict[str, Any]
     assert expected in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.slow
 def test_a_pattern_matching_nothing_is_one_line_naming_real_parameters(training_corpus, family: Family,
                                                                        tmp_path: Path) -> None:
     mix, cache = training_corpus

@@ -19,6 +19,8 @@ from megatron_lite.convert import convert_checkpoint
 from megatron_lite.weights import load_state_dict
 from training_helpers import metrics, optimizer_elements, run_train, step_weights, tiny_train_config, train_losses, write_config
 
+pytestmark = pytest.mark.slow  # multi-rank or end-to-end runs of train.py
+
 transformers = pytest.importorskip("transformers")
 
 STAGES = [{"steps": 3, "trainable": ["*.self_attn.k_proj.*"]},

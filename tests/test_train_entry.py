@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.data.loader import data_report
 from megatron_lite.data.manifest import load_manifest
 from training_helpers import REPO, metrics, run_train, train_losses
+
+pytestmark = pytest.mark.slow  # multi-rank or end-to-end runs of train.py
 
 
 def test_main_job_builds_data_trains_and_saves(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ from megatron_lite import checkpoint_dirs
 from megatron_lite.weights import load_model, load_step_state_dict
 from training_helpers import metrics, run_train, tiny_train_config, train_command, train_losses, write_config
 
+pytestmark = pytest.mark.slow  # multi-rank or end-to-end runs of train.py
+
 
 def weights(step_dir: Path) -> dict[str, torch.Tensor]:
     return load_step_state_dict(step_dir)

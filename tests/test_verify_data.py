@@ -116,6 +116,7 @@ def test_training_data_verifies_once_and_verify_data_forces(corpus: tuple[Path, 
     assert _one_line(error).startswith(f"{bin_path}: sha256 differs from the manifest")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["flipped_byte", "token_id"])
 def test_train_py_reports_a_bad_shard_in_one_line(fault: str, corpus: tuple[Path, Path], tmp_path: Path) -> None:
     mix, cache = corpus
