@@ -129,8 +129,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
             report.throughput.exclude_since(side_work_start)
             if decision.action is Action.STOP:
                 break
-    report.close()
-    return _finish(result, decision, state, run_dir, logger.path, dist_info)
+    return _finish(result, decision, state, report, dist_info)
 
 
 def _staged_train_iters(stages: list[Stage], train_iters: int | None) -> int | None:
@@ -179,18 +178,20 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
                 "by the interrupted attempt (those steps are redone)")
 
 
-def _finish(result: TrainingResult, decision: Decision, state: TrainingState, run_dir: Path, metrics_path: Path,
+def _finish(result: TrainingResult, decision: Decision, state: TrainingState, report: StepReport,
             dist_info: DistributedInfo) -> TrainingResult:
-    """The result of the ended loop (why it stopped, if early) and rank 0's loss curve and summary."""
+    """The ended loop's result (why it stopped, if early; its counters) and rank 0's loss curve and summary."""
     if decision.action is Action.STOP:
         if dist_info.is_main:
             console(decision.message)
         result.stopped_by = decision.stopped_by
         if decision.names_last_good:
             result.last_checkpoint = decision.last_good
+    report.close()
     result.steps, result.skipped_steps = state.step, state.skipped_steps
     if dist_info.is_main:
-        curve = metrics_lib.plot_loss_curve(metrics_path, run_dir / "loss_curve.png", f"{run_dir.name}: loss")
+        run_dir = result.run_dir
+        curve = metrics_lib.plot_loss_curve(report.logger.path, run_dir / "loss_curve.png", f"{run_dir.name}: loss")
         _print_summary(result, run_dir, curve)
     return result
 
