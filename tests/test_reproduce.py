@@ -15,7 +15,7 @@ import yaml
 from megatron_lite import config as config_lib
 from megatron_lite.repro import SCHEMES, ReproSettings, run_reproduction
 from megatron_lite.repro.settings import load_scheme_configs, validate_settings
-from megatron_lite.repro.training import training_status
+from megatron_lite.repro.training import training_status, training_summary
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -113,6 +113,18 @@ def test_toy_reproduction_end_to_end_and_resume(toy_books: tuple[Path, Path], tm
     assert resumed["training"]["rope"]["steps"] == 3
     assert "resumed from" in (out / "logs/train_rope.log").read_text()
     assert training_status(out / "runs/rope", 3).finished
+
+
+def test_training_summary_counts_the_tokens_of_every_data_parallel_rank(tmp_path: Path) -> None:
+    config = config_lib.load("configs/tiny/rope.yml")
+    train = config.train
+    step_tokens = train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * config.model.seq_length
+    for world_size in (1, 2):
+        step_dir = tmp_path / f"ranks{world_size}" / "checkpoints" / "step_00000003"
+        step_dir.mkdir(parents=True)
+        (step_dir / "COMPLETE").write_text(json.dumps({"step": 3, "world_size": world_size}))
+        summary = training_summary(step_dir.parent.parent, config, 3, "skipped (finished)")
+        assert summary["steps"] == 3 and summary["tokens"] == 3 * step_tokens * world_size
 
 
 def test_shipped_configs_differ_only_in_position(toy_books: tuple[Path, Path], tmp_path: Path) -> None:

@@ -95,6 +95,7 @@ def test_batch_triple_consistent_and_derived() -> None:
     assert (generated["train_batch_size"], generated["train_micro_batch_size_per_gpu"],
             generated["gradient_accumulation_steps"]) == (256, 16, 2)
     assert resolve_batch_sizes(_config(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=3), 2).global_batch_size == 24
+    assert resolve_batch_sizes(_config(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=3), 2).tokens_per_step(64) == 24 * 64
 
 
 def test_inconsistent_batch_triple_names_all_three() -> None:

@@ -158,8 +158,6 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
     else:
         train_iters = planned_train_iters(settings, first, settings.schemes[0])
         extra_env = {}
-    for config in configs.values():
-        config.train.train_iters = train_iters
     log(settings, f"schemes {', '.join(settings.schemes)}; {train_iters} steps each; out {settings.out_dir}")
 
     training: dict[str, dict[str, Any]] = {}
@@ -173,7 +171,8 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
             status = training_status(run_dir(settings, scheme), train_iters)
             if {"eval", "report"} & set(settings.phases):
                 _require(settings, "train", status.finished, f"{scheme} is at step {status.step} of {train_iters}")
-            training[scheme] = training_summary(run_dir(settings, scheme), configs[scheme], "skipped (--only)")
+            training[scheme] = training_summary(run_dir(settings, scheme), configs[scheme], train_iters,
+                                                "skipped (--only)")
     if not {"eval", "report"} & set(settings.phases):
         log(settings, f"stopping after {', '.join(settings.phases)} (--only)")
         return {"training": training, "train_iters": train_iters}

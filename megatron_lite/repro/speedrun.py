@@ -79,8 +79,8 @@ def probe_path(settings: ReproSettings) -> Path:
 def probe_scheme(settings: ReproSettings, scheme: str, config: Config) -> dict[str, Any]:
     """``probe_steps`` steps of one scheme from scratch; its steady tokens/s and start-up seconds (which
     include train.py's final save: an upper bound, as the budget wants)."""
-    from megatron_lite.repro.training import (TrainingFailed, run_logged, steady_tokens_per_second, tokens_per_step,
-                                              train_command)
+    from megatron_lite.repro.training import (TRAIN_COMMAND_RANKS, TrainingFailed, run_logged, steady_tokens_per_second,
+                                              tokens_per_step, train_command)
     from megatron_lite.training.metrics import read_metrics
 
     run = settings.out_dir / "probe" / scheme
@@ -98,7 +98,7 @@ def probe_scheme(settings: ReproSettings, scheme: str, config: Config) -> dict[s
     rate = steady_tokens_per_second(read_metrics(run / "metrics.jsonl"))
     if rate is None:
         raise TrainingFailed(f"the probe of {scheme} logged no throughput ({run / 'metrics.jsonl'})")
-    training_seconds = steps * tokens_per_step(config) / rate
+    training_seconds = steps * tokens_per_step(config, TRAIN_COMMAND_RANKS) / rate
     shutil.rmtree(run / "checkpoints", ignore_errors=True)  # only the timing is kept
     return {"steps": steps, "tokens_per_sec": round(rate, 1), "wall_seconds": round(wall, 1),
             "startup_seconds": round(max(0.0, wall - training_seconds), 1)}
@@ -133,10 +133,10 @@ def planned_iters(settings: ReproSettings, configs: dict[str, Config]) -> int:
                 log(settings, f"probe {scheme}: {settings.budget.probe_steps} steps")
                 record["probes"][scheme] = probe_scheme(settings, scheme, configs[scheme])
                 write_text_atomic(path, json.dumps(record, indent=1) + "\n")
-        from megatron_lite.repro.training import tokens_per_step
+        from megatron_lite.repro.training import TRAIN_COMMAND_RANKS, tokens_per_step
 
-        record["plan"] = plan_train_iters(settings.budget, record["probes"],
-                                          tokens_per_step(configs[settings.schemes[0]]), len(settings.schemes))
+        step_tokens = tokens_per_step(configs[settings.schemes[0]], TRAIN_COMMAND_RANKS)  # the runs train_command starts
+        record["plan"] = plan_train_iters(settings.budget, record["probes"], step_tokens, len(settings.schemes))
         write_text_atomic(path, json.dumps(record, indent=1) + "\n")
     plan = record["plan"]
     log(settings, f"probe: slowest {plan['slowest_tokens_per_sec']:,.0f} tokens/s, start-up {plan['startup_seconds']} s"

@@ -18,6 +18,9 @@ from megatron_lite.config import Config
 from megatron_lite.repro.settings import (REPO_ROOT, ReproSettings, all_overrides, config_path, log,
                                           speedrun_save_interval)
 from megatron_lite.repro.settings import run_dir as run_dir_of
+from megatron_lite.training.deepspeed_config import resolve_batch_sizes
+
+TRAIN_COMMAND_RANKS = 1  # train_command runs train.py as one process (no launcher): one data-parallel rank
 
 
 class TrainingFailed(RuntimeError):
@@ -29,14 +32,16 @@ class TrainingStatus:
     step: int  # step of the latest complete checkpoint; 0 when there is none
     checkpoint: Path | None
     finished: bool  # that checkpoint is the final one (step == train_iters)
+    data_parallel_size: int  # the ranks that trained it (its COMPLETE marker's world_size)
 
 
 def training_status(directory: Path, train_iters: int) -> TrainingStatus:
     latest = checkpoint_dirs.latest_complete(directory / checkpoint_dirs.CHECKPOINTS_DIR)
     if latest is None:
-        return TrainingStatus(0, None, False)
-    step = int(checkpoint_dirs.read_complete_marker(latest)["step"])
-    return TrainingStatus(step, latest, step == train_iters)
+        return TrainingStatus(0, None, False, TRAIN_COMMAND_RANKS)
+    marker = checkpoint_dirs.read_complete_marker(latest)
+    step = int(marker["step"])
+    return TrainingStatus(step, latest, step == train_iters, int(marker.get("world_size", TRAIN_COMMAND_RANKS)))
 
 
 def train_command(settings: ReproSettings, scheme: str, train_iters: int, run_dir: Path | None = None) -> list[str]:
@@ -116,10 +121,9 @@ def _log_tail(path: Path, num_lines: int = 15) -> str:
     return "\n".join(lines[-num_lines:])
 
 
-def tokens_per_step(config: Config) -> int:
-    """Tokens of one optimizer step of a single-process run (the reproduction's)."""
-    train = config.train
-    return train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * config.model.seq_length
+def tokens_per_step(config: Config, data_parallel_size: int) -> int:
+    """Tokens of one optimizer step of ``config`` trained on ``data_parallel_size`` ranks."""
+    return resolve_batch_sizes(config, data_parallel_size).tokens_per_step(config.model.seq_length)
 
 
 def steady_tokens_per_second(rows: Sequence[dict[str, Any]]) -> float | None:
@@ -128,19 +132,20 @@ def steady_tokens_per_second(rows: Sequence[dict[str, Any]]) -> float | None:
     return float(statistics.median(rates[1:] or rates)) if rates else None
 
 
-def training_summary(directory: Path, config: Config, action: str) -> dict[str, Any]:
+def training_summary(directory: Path, config: Config, train_iters: int, action: str) -> dict[str, Any]:
     """What the run reports about itself: steps, tokens, the last training and validation loss."""
     from megatron_lite.model.params import counted_parameter_count
     from megatron_lite.training.metrics import read_metrics
 
-    status = training_status(directory, config.train.train_iters or 0)
+    status = training_status(directory, train_iters)
     metrics_path = directory / "metrics.jsonl"
     rows = read_metrics(metrics_path) if metrics_path.is_file() else []
     losses = [row for row in rows if row.get("loss") is not None]
     validation = [row for row in rows if row.get("val_loss") is not None]
     rate = steady_tokens_per_second(rows)
     return {"action": action, "display_name": config.model.position.display_name,
-            "rotary": config.model.uses_rotary, "steps": status.step, "tokens": status.step * tokens_per_step(config),
+            "rotary": config.model.uses_rotary, "steps": status.step,
+            "tokens": status.step * tokens_per_step(config, status.data_parallel_size),
             "parameters": counted_parameter_count(config.model),
             "final_train_loss": losses[-1]["loss"] if losses else None,
             "final_val_loss": validation[-1]["val_loss"] if validation else None,
@@ -159,7 +164,7 @@ def train_scheme(settings: ReproSettings, scheme: str, config: Config, train_ite
                          "use the original --train-iters or a fresh --out")
     if before.finished:
         log(settings, f"train {scheme}: finished ({before.checkpoint}), skipped")
-        return training_summary(directory, config, "skipped (finished)")
+        return training_summary(directory, config, train_iters, "skipped (finished)")
     action = f"resumed from step {before.step}" if before.step else "trained"
     log_path = settings.out_dir / "logs" / f"train_{scheme}.log"
     log(settings, f"train {scheme}: {action.replace('trained', 'starting')}, {train_iters} steps; log {log_path}")
@@ -172,4 +177,4 @@ def train_scheme(settings: ReproSettings, scheme: str, config: Config, train_ite
     if not after.finished:
         raise TrainingFailed(f"train.py for {scheme} stopped at step {after.step} of {train_iters} (log {log_path}); "
                              "run the same command again to resume")
-    return training_summary(directory, config, action)
+    return training_summary(directory, config, train_iters, action)

@@ -77,8 +77,7 @@ def total_steps_for(config: Config, manifest: Manifest, batch: BatchSizes, train
     if config.train.train_iters is not None:
         return config.train.train_iters, "train.train_iters"
     tokens = sum(record.tokens for record in manifest.sources.values()) * (1.0 - config.data.validation_fraction)
-    tokens_per_step = batch.global_batch_size * config.model.seq_length
-    steps = max(1, math.ceil(config.train.train_epochs * tokens / tokens_per_step))
+    steps = max(1, math.ceil(config.train.train_epochs * tokens / batch.tokens_per_step(config.model.seq_length)))
     return steps, f"train.train_epochs={config.train.train_epochs} over {tokens:,.0f} training tokens"
 
 

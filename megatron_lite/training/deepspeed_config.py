@@ -21,6 +21,10 @@ class BatchSizes:
     def global_batch_size(self) -> int:
         return self.micro_batch_size * self.gradient_accumulation_steps * self.data_parallel_size
 
+    def tokens_per_step(self, seq_length: int) -> int:
+        """Tokens of one optimizer step over all data-parallel ranks."""
+        return self.global_batch_size * seq_length
+
 
 def resolve_batch_sizes(config: Config, world_size: int) -> BatchSizes:
     """micro x accumulation x ranks must equal train_batch_size when that is set; ValueError names all three."""

@@ -1,0 +1,140 @@
+"""The run's DeepSpeed engine: model, the stage's freezing, compile, optimizer; built at the start of a run
+(seeded weights, train.init_from's, or a stage boundary's) and rebuilt at each stage boundary."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_lite.config import Config
+from megatron_lite.console import console, notice
+from megatron_lite.model import GPT
+from megatron_lite.training.deepspeed_config import BatchSizes, deepspeed_config
+from megatron_lite.training.distributed import DistributedInfo
+from megatron_lite.training.optim import SkippableAdamW, build_optimizer
+from megatron_lite.training.stages import Selection, Stage, apply_selection, select, stage_at, stage_summary
+from megatron_lite.weights import load_state_dict, load_step_state_dict, load_weights
+
+
+class StagedEngine:
+    """The engine of the current stage (the whole run when it has no train.stages) and its optimizer.
+
+    ``engine`` and ``optimizer`` change at a stage boundary (``next_stage``): read them from here each step."""
+
+    def __init__(self, config: Config, batch_sizes: BatchSizes, dist_info: DistributedInfo, stages: list[Stage],
+                 model: GPT, stage: Stage | None) -> None:
+        self.config, self.batch_sizes, self.dist_info, self.stages = config, batch_sizes, dist_info, stages
+        self.stage = stage
+        self.engine: Any  # deepspeed.DeepSpeedEngine
+        self.optimizer: SkippableAdamW
+        self.selection: Selection | None  # the stage's trainable parameters; None without train.stages
+        self.compiled: bool
+        self._build(model)
+
+    @property
+    def stage_index(self) -> int:
+        """The current stage's train.stages index; 0 without stages (as checkpoints record it)."""
+        return self.stage.index if self.stage is not None else 0
+
+    def _build(self, model: GPT) -> None:
+        """``stage``'s parameters frozen first, so the optimizer and DeepSpeed hold state for its trainable
+        elements only."""
+        import deepspeed
+
+        from megatron_lite.training import checkpoint_engine
+
+        self.selection = None
+        if self.stage is not None:
+            self.selection = select(model, self.stage.trainable, stage_key(self.stage))
+            apply_selection(model, self.selection)
+        model.lm_head.fused = self.config.train.fused_loss
+        self.compiled = _compile_in_place(model, self.config, self.dist_info)
+        self.optimizer = build_optimizer(model, self.config.train)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
+                                               config=deepspeed_config(self.config, self.batch_sizes))
+        checkpoint_engine.install(self.engine, self.dist_info.rank)  # safe loads, hashed writes, no rank left in a barrier
+
+    def next_stage(self, saved: Path, step: int) -> None:
+        """Start the stage holding step ``step`` + 1 exactly as a resume from the boundary checkpoint ``saved``
+        does: a new model with its consolidated weights, the stage's freezing, a new optimizer and engine."""
+        self.engine.destroy()
+        del self.engine, self.optimizer  # the previous stage's model and optimizer state go before the next ones come
+        gc.collect()
+        if self.dist_info.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.stage = stage_at(self.stages, step)
+        cuda = [self.dist_info.device.index or 0] if self.dist_info.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # as in a resume, where the checkpoint's RNG state is restored after
+            model = new_model(self.config, self.dist_info)
+            load_weights(model, consolidated(saved), f"stage start from {saved}")
+            self._build(model)
+        if self.dist_info.is_main:
+            self.log_stage()
+
+    def log_stage(self) -> None:
+        if self.stage is not None and self.selection is not None:
+            console(stage_summary(self.stage, len(self.stages), self.selection))
+        console(self.optimizer.groups_summary)
+
+
+def start_engine(config: Config, batch_sizes: BatchSizes, dist_info: DistributedInfo, stages: list[Stage],
+                 resume_dir: Path | None, marker: dict[str, Any]) -> tuple[StagedEngine, bool]:
+    """The engine a run starts with, and whether its resume takes the checkpoint's weights only.
+
+    A checkpoint holds the optimizer state of the stage that wrote it (0 in older ones); one written at the
+    end of a stage starts the next stage from its weights, with a new engine and fresh optimizer state."""
+    stage = stage_at(stages, marker.get("step", 0)) if stages else None
+    weights_only = stage is not None and resume_dir is not None and marker.get("stage", 0) != stage.index
+    torch.manual_seed(config.seed)
+    model = new_model(config, dist_info)
+    for each in stages:  # every stage's patterns checked now, not hours later at its start
+        select(model, each.trainable, stage_key(each))
+    if resume_dir is None and config.train.init_from:
+        state, _, _ = load_state_dict(config.train.init_from)  # weights only; every tensor must match the config
+        load_weights(model, state, f"train.init_from={config.train.init_from}")
+        if dist_info.is_main:
+            console(f"initialised weights from {config.train.init_from}")
+    elif weights_only:
+        assert resume_dir is not None
+        load_weights(model, consolidated(resume_dir), f"stage start from {resume_dir}")
+    return StagedEngine(config, batch_sizes, dist_info, stages, model, stage), weights_only
+
+
+def new_model(config: Config, dist_info: DistributedInfo) -> GPT:
+    with torch.device(dist_info.device):
+        return GPT(config.model)  # fp32 master weights; DeepSpeed casts for bf16/fp16
+
+
+def stage_key(stage: Stage) -> str:
+    return f"train.stages[{stage.index}].trainable"
+
+
+def consolidated(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's fp32 weights by DeepSpeed's consolidation, whose progress prints are left out of the log."""
+    with contextlib.redirect_stdout(io.StringIO()):
+        return load_step_state_dict(step_dir)
+
+
+def use_compile(config: Config, device: torch.device) -> bool:
+    """train.compile, where null means on for CUDA and off on CPU (compiling costs more than it saves
+    on CPU at the sizes that train there)."""
+    return config.train.compile if config.train.compile is not None else device.type == "cuda"
+
+
+def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: DistributedInfo) -> bool:
+    """``model.compile()``: the module's own call is compiled, so its state-dict keys stay as they are
+    (no ``_orig_mod.`` prefix) and checkpoints move freely between compiled and eager runs."""
+    if not use_compile(config, dist_info.device):
+        return False
+    if config.train.zero_stage == 3:  # ZeRO-3 gathers parameters in module hooks that a compiled graph would trace
+        if dist_info.is_main:
+            notice("train.compile: not with train.zero_stage=3 (its parameter-gathering hooks do not trace); "
+                   "training eagerly")
+        return False
+    model.compile()
+    return True

@@ -1,0 +1,145 @@
+"""When a run stops early or moves to its next stage: the stop policies asked after each step, and the
+SIGTERM/SIGINT flag they read.
+
+A step ends in two halves, both decided here: after the optimizer update (``after_update``: too many
+non-finite losses in a row stop the run before anything else happens) and, once the step's evaluation
+and checkpoint are done, after the save (``after_save``: failed saves, then train.exit_interval or a
+signal, then a stage boundary). ``step_end`` says in between whether a checkpoint is due.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from megatron_lite.config import TrainConfig
+
+
+class Action(Enum):
+    CONTINUE = "continue"
+    STOP = "stop"
+    NEXT_STAGE = "next_stage"  # the step ended a stage that is not the last: the next one starts from its checkpoint
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    stopped_by: str = ""  # when STOP: "nonfinite" | "failed_saves" | "exit_interval" | "signal" (TrainingResult)
+    message: str = ""  # when STOP: the console line saying why and how to resume
+    names_last_good: bool = False  # a failure stop: the run's checkpoint to report is ``last_good``, not its last save
+    last_good: Path | None = None  # the latest complete checkpoint on disk when the failure stop was decided
+
+
+CONTINUE = Decision(Action.CONTINUE)
+NEXT_STAGE = Decision(Action.NEXT_STAGE)
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """What the end of step ``step`` holds before its evaluation and save."""
+
+    step: int
+    last: bool  # the run's final step
+    requested_stop: Decision | None  # train.exit_interval or a signal: saved, then stopped
+    boundary: bool  # the step ends a stage that is not the last
+    save: bool  # a checkpoint is due: train.save_interval, the final step, a requested stop or a stage boundary
+
+
+class StopPolicies:
+    """The run's stop policies, asked after every step.
+
+    * ``train.max_consecutive_nonfinite`` non-finite (skipped) updates in a row stop the run;
+    * ``train.max_consecutive_failed_saves`` failed checkpoint saves in a row stop it, and so does a failed save at a
+      stage boundary (the next stage starts from that checkpoint);
+    * ``train.exit_interval`` (except at the final step) and a signal (on any rank) stop it after saving;
+    * a stage's last step, unless it is the run's, moves to the next stage.
+
+    ``last_good`` looks up the latest complete checkpoint on disk, named by the failure stops.
+    """
+
+    def __init__(self, train: TrainConfig, total_steps: int, stage_ends: Collection[int],
+                 last_good: Callable[[], Path | None]) -> None:
+        self.train = train
+        self.total_steps = total_steps
+        self.stage_ends = sorted(stage_ends)  # each stage's final step; the last one is total_steps
+        self.last_good = last_good
+        self.consecutive_nonfinite = 0
+        self.consecutive_failed_saves = 0
+
+    def after_update(self, step: int, finite: bool) -> Decision:
+        """``step`` (counted from 1) was taken, or skipped when some rank's loss was not ``finite``."""
+        self.consecutive_nonfinite = 0 if finite else self.consecutive_nonfinite + 1
+        if finite or self.consecutive_nonfinite < self.train.max_consecutive_nonfinite:
+            return CONTINUE
+        last_good = self.last_good()
+        return Decision(Action.STOP, "nonfinite",
+                        f"stopping: {self.consecutive_nonfinite} consecutive non-finite losses, the last at step {step}; "
+                        f"last good checkpoint: {last_good or 'none'} (resume with --resume {last_good} after fixing the "
+                        "cause, e.g. a lower train.lr)", names_last_good=True, last_good=last_good)
+
+    def step_end(self, step: int, signal_name: str | None) -> StepEnd:
+        """``signal_name``: the signal some rank received (``StopRequest.received``), else None."""
+        last = step == self.total_steps
+        boundary = step in self.stage_ends and not last
+        requested_stop = None
+        if not last and self.train.exit_interval and step % self.train.exit_interval == 0:
+            requested_stop = Decision(Action.STOP, "exit_interval",
+                                      f"stopped by train.exit_interval at step {step}; resume with --resume auto")
+        elif signal_name is not None:
+            requested_stop = Decision(Action.STOP, "signal",
+                                      f"stopped by {signal_name} at step {step}; resume with --resume auto")
+        interval = bool(self.train.save_interval) and step % self.train.save_interval == 0
+        return StepEnd(step, last, requested_stop, boundary,
+                       save=interval or last or requested_stop is not None or boundary)
+
+    def after_save(self, end: StepEnd, saved: bool) -> Decision:
+        """``saved``: whether the checkpoint due at ``end`` (if one was) was written; every rank agrees."""
+        if end.save:
+            self.consecutive_failed_saves = 0 if saved else self.consecutive_failed_saves + 1
+            if self.consecutive_failed_saves >= self.train.max_consecutive_failed_saves:
+                last_good = self.last_good()
+                return Decision(Action.STOP, "failed_saves",
+                                f"stopping: {self.consecutive_failed_saves} consecutive checkpoint saves failed, the "
+                                f"last at step {end.step}; last good checkpoint: {last_good or 'none'} (free disk "
+                                "space or fix the cause, then resume with --resume auto)",
+                                names_last_good=True, last_good=last_good)
+            if end.boundary and not saved:
+                stage_number = self.stage_ends.index(end.step) + 1
+                return Decision(Action.STOP, "failed_saves",
+                                f"stopping: the checkpoint at the end of stage {stage_number} (step {end.step}) failed, "
+                                "and the next stage starts from it; free disk space or fix the cause, then resume "
+                                "with --resume auto")
+        if end.requested_stop is not None:
+            return end.requested_stop
+        return NEXT_STAGE if end.boundary else CONTINUE
+
+
+class StopRequest:
+    """SIGTERM/SIGINT set a flag the loop checks after each step (all ranks agree via all-reduce);
+    a second SIGINT interrupts at once."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signal_name = signal.Signals(signum).name
+
+    def received(self, on_any_rank: bool) -> str | None:
+        """The signal to report when the ranks agree that one of them received one."""
+        return (self.signal_name or "a signal on another rank") if on_any_rank else None
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
