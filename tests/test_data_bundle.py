@@ -14,6 +14,7 @@ import subprocess
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -207,8 +208,8 @@ def test_declared_sizes_are_checked_before_they_are_written(tmp_path: Path, smal
     large = crafted_bundle(tmp_path / "large.tar.xz", [("zeros.bin", bytes(4 << 20))])
     with pytest.raises(ValueError) as error:
         unpack_bundle(large, small_disk / "bundle", max_unpacked_bytes=1 << 30)
-    assert str(error.value) == (f"bundle {large}: 'zeros.bin' declares 4,194,304 bytes, more than the 1,048,576 free on "
-                                f"the file system of {small_disk}")
+    assert str(error.value) == (f"bundle {large}: 'zeros.bin' declares 4,194,304 bytes, more than the 1,048,576 free "
+                                f"on the file system of {small_disk}")
     assert not list(small_disk.iterdir())  # the temporary directory removed
 
 
@@ -218,7 +219,7 @@ def test_a_full_disk_during_unpacking_is_one_line(bundle: Path, tmp_path: Path, 
     members = [(MANIFEST_NAME, b'{"files": {}}')] + [(f"part{i}.bin", random.Random(i).randbytes(300_000))
                                                       for i in range(4)]
     archive = crafted_bundle(tmp_path / "incompressible.tar.xz", members)
-    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 0, 1 << 40))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 40))  # the check passes
     with pytest.raises(ValueError) as error:
         unpack_bundle(archive, small_disk / "bundle")
     assert str(error.value) == f"bundle {archive}: unpacking into {small_disk} failed: No space left on device"

@@ -342,13 +342,13 @@ def to_dict(config: Config) -> dict[str, Any]:
 
 def parse_override(assignment: str) -> tuple[list[str], Any]:
     """'model.position.scheme=rope' -> (['model', 'position', 'scheme'], 'rope'); value parsed as YAML."""
+    where = f"override {short_repr(assignment)}"
     if "=" not in assignment:
-        raise ValueError(f"override {short_repr(assignment)}: expected KEY=VALUE, e.g. model.position.scheme=rope")
+        raise ValueError(f"{where}: expected KEY=VALUE, e.g. model.position.scheme=rope")
     key, raw_value = assignment.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise ValueError(f"override {short_repr(assignment)}: empty key component")
-    where = f"override {short_repr(assignment)}"
+        raise ValueError(f"{where}: empty key component")
     size = len(raw_value.encode())
     if size > MAX_YAML_BYTES:
         raise ValueError(f"{where}: the value is {size:,} bytes, over the limit of {MAX_YAML_BYTES:,}")
