@@ -124,3 +124,17 @@ def test_malformed_yaml_is_one_line_with_file_line_and_column(
     err = capsys.readouterr().err  # without a data cache, a "preparing the data first" line comes first
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and where in errors[0] and "Traceback" not in err, err
+
+
+def test_an_alias_bomb_in_a_config_is_one_short_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Today the error message printed the expanded value: 9**7 leaves here, memory exhausted at 9**9."""
+    from test_config import alias_bomb
+
+    monkeypatch.chdir(REPO)
+    bomb = tmp_path / "bomb.yml"
+    bomb.write_text(alias_bomb(7))
+    assert load_script("tools/inspect_data.py").main(["--config", str(bomb)]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert err == f"error: {bomb}:1:{alias_bomb(7).index('&l6') + 1}: refused: its aliases expand to more than " \
+                  "1,000,000 YAML nodes (an alias bomb?)\n", err[:1000]

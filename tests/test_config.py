@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,64 @@ def test_mix_files_take_a_base(tmp_path: Path) -> None:
     child = write_yaml(tmp_path / "mix.yml", "base: base_mix.yml\ngroups: {code: {weight: 3}}\n")
     mix = load_mix(child)
     assert group_weights(mix) == {"text": 0.5, "code": 0.5} and list(mix.groups["code"].sources) == ["b"]
+
+
+def alias_bomb(levels: int) -> str:
+    """``seed:`` a YAML list whose aliases expand to 9**levels leaves (a few hundred bytes as written)."""
+    anchors = ["&l0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"]
+    anchors += [f"&l{level} [{', '.join([f'*l{level - 1}'] * 9)}]" for level in range(1, levels)]
+    return f"seed: [{', '.join(anchors)}]\n"
+
+
+def test_a_file_over_1_mib_is_refused_before_it_is_parsed(tmp_path: Path) -> None:
+    """Per file: a large base is refused by name, also under a small child, config or mix."""
+    from megatron_lite.data.mix import load_mix
+
+    padding = yaml.safe_dump({"train": {"deepspeed": {"padding": list(range(200_000))}}})  # passthrough: loads today
+    large = write_yaml(tmp_path / "large.yml", f"base: {REPO / 'configs/tiny/coca_slack.yml'}\n{padding}")
+    assert large.stat().st_size > 1 << 20
+    child = write_yaml(tmp_path / "child.yml", "base: large.yml\nseed: 7\n")
+    with pytest.raises(ValueError) as error:
+        config_lib.load(child)
+    assert str(error.value) == f"{large}: {large.stat().st_size:,} bytes, over the limit of 1,048,576 for a config " \
+                               "or mix file"
+    mix = write_yaml(tmp_path / "mix.yml", "groups: {text: {weight: 1, sources: {a: {type: text, path: a.txt}}}}\n"
+                     + "#" * (1 << 20))
+    with pytest.raises(ValueError, match=rf"^{mix}: 1,048,6\d\d bytes, over the limit of 1,048,576"):
+        load_mix(mix)
+
+
+def test_an_alias_bomb_is_refused_before_it_is_built(tmp_path: Path) -> None:
+    """9**7 leaves (today: a message of ~15 MB; at 9 levels memory runs out) in a 300-byte file."""
+    bomb = write_yaml(tmp_path / "bomb.yml", alias_bomb(7))
+    with pytest.raises(ValueError) as error:
+        config_lib.load(bomb)
+    assert str(error.value) == f"{bomb}:1:{alias_bomb(7).index('&l6') + 1}: refused: its aliases expand to more " \
+                               "than 1,000,000 YAML nodes (an alias bomb?)"
+    assert config_lib.load(write_yaml(tmp_path / "small.yml", alias_bomb(6) + "model: {vocab_size: 64}\n"),
+                           ["seed=3"]).seed == 3  # 9**6 = 531,441 leaves: within the limit
+    recursive = write_yaml(tmp_path / "recursive.yml", "seed: &a [1, *a]\n")
+    with pytest.raises(ValueError, match=r"recursive\.yml:1:7: refused: an alias refers to a node that contains it"):
+        config_lib.load(recursive)
+    with pytest.raises(ValueError, match=r"^override 'seed=\[&l0 .*\.\.\..*': its aliases expand to more than"):
+        config_lib.parse_override("seed=" + alias_bomb(7)[len("seed: "):])
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("seed=" + "7" * ((1 << 20) + 1), r"^override 'seed=7+\.\.\.7+': the value is 1,048,577 bytes, over the "
+                                      r"limit of 1,048,576$"),
+    ("seed=" + "x" * 500_000, r"^seed='x+\.\.\.x+' \(str\): expected an integer$"),
+    ("model.position.scheme=" + "x" * 500_000, r"^model\.position\.scheme='x+\.\.\.x+': must be one of"),
+    ("model." + "k" * 500_000 + "=1", r"^unknown config key model\.'k+\.\.\.k+'; valid keys"),
+    ("seed=" + "9" * 4000, r"^seed=9+\.\.\.9+: out of range \(a 64-bit integer\)$"),
+], ids=["over 1 MiB", "not an integer", "not a choice", "unknown key", "an integer of 4,000 digits"])
+def test_a_long_value_is_refused_or_shown_shortened(override: str, message: str) -> None:
+    """Today each of these messages prints the whole value (up to 1 MiB, in one case after parsing it)."""
+    with pytest.raises(ValueError) as error:
+        config_lib.with_overrides(config_lib.Config(), [override])
+    payload = max(set(override), key=override.count)  # the repeated character
+    shown = sum(len(run) for run in re.findall(f"{payload}{{20,}}", str(error.value)))  # of the value
+    assert shown <= 200 and re.search(message, str(error.value)), str(error.value)[:1000]
 
 
 def test_config_cli_names_the_base_chain(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,12 +5,16 @@ kept out of training, and shards that a ``type: megatron`` mix source reads. Tin
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import lzma
 import random
 import shutil
+import subprocess
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -21,8 +25,9 @@ from megatron_lite.data.preprocess import prepare_data
 from megatron_lite.data.records import NON_UTF8, BadRecord, Document
 from megatron_lite.data.sources import decode_auto, read_text
 from megatron_lite.data.tokenizer import Tokenizer
-from megatron_lite.repro.bundle import (MANIFEST_NAME, BundleSpec, UnpackedBundle, build_bundle, unpack_bundle,
-                                        write_archive)
+from megatron_lite.files import file_sha256
+from megatron_lite.repro.bundle import (MANIFEST_NAME, TOKENIZER_NAME, BundleSpec, UnpackedBundle, build_bundle,
+                                        checksum_path, unpack_bundle, write_archive, write_checksum, write_manifest)
 from script_loading import load_script
 
 WORDS = ("the of and a to in is was he that it his her with as for had you not be on at by which river house "
@@ -124,14 +129,114 @@ def test_unpack_verifies_and_describes_the_bundle(bundle: Path, unpacked: Unpack
 
 
 def test_a_flipped_byte_or_a_truncated_archive_is_a_one_line_error(bundle: Path, tmp_path: Path) -> None:
+    """Caught by the builder's sha256 beside it; with a sha256 of the damaged bytes, by lzma and tar."""
     data = bytearray(bundle.read_bytes())
     data[len(data) // 2] ^= 0x40
     flipped = tmp_path / "flipped.tar.xz"
     flipped.write_bytes(bytes(data))
+    checksum_path(flipped).write_text(checksum_path(bundle).read_text())  # as the builder wrote it
+    assert _one_line_error(flipped, tmp_path / "out0") == (
+        f"bundle {flipped}: its sha256 is {file_sha256(flipped)}, not {file_sha256(bundle)} "
+        f"({checksum_path(flipped)}); the archive is damaged or is not the one that was built")
+    write_checksum(flipped)
     assert "corrupted or truncated" in _one_line_error(flipped, tmp_path / "out1")
     truncated = tmp_path / "truncated.tar.xz"
     truncated.write_bytes(bundle.read_bytes()[: len(data) // 2])
+    write_checksum(truncated)
     assert "corrupted or truncated" in _one_line_error(truncated, tmp_path / "out2")
+
+
+def test_an_archive_that_is_not_the_one_built_is_refused_before_anything_is_extracted(
+        bundle: Path, tmp_path: Path) -> None:
+    """Another tokenizer with a self-consistent manifest: today it is unpacked and its tokenizer installed."""
+    root = tmp_path / "root"
+    with tarfile.open(bundle, "r:xz") as tar:
+        tar.extractall(root)
+    (root / TOKENIZER_NAME).write_bytes(b"not the tokenizer that was built")
+    manifest = json.loads((root / MANIFEST_NAME).read_text())
+    write_manifest(root, {key: value for key, value in manifest.items() if key != "files"})
+    swapped = tmp_path / "swapped.tar.xz"
+    write_archive(root, swapped, progress=False)
+    checksum_path(swapped).write_text(checksum_path(bundle).read_text())  # the archive replaced, not its .sha256
+    assert "is not the one that was built" in _one_line_error(swapped, tmp_path / "out1")
+    checksum_path(swapped).unlink()
+    assert _one_line_error(swapped, tmp_path / "out2") == (
+        f"bundle {swapped}: no swapped.tar.xz.sha256 beside it to check the archive against; copy the one "
+        "tools/build_data_bundle.py wrote, or give the archive's sha256 with --bundle-sha256 HEX")
+    with pytest.raises(ValueError, match=r"^--bundle-sha256 'abc': expected a sha256, 64 hexadecimal digits$"):
+        unpack_bundle(swapped, tmp_path / "out3", sha256="abc")
+    with pytest.raises(ValueError, match=rf"\(--bundle-sha256\); the archive is damaged"):
+        unpack_bundle(swapped, tmp_path / "out4", sha256=file_sha256(bundle))
+    vouched = unpack_bundle(swapped, tmp_path / "out5", sha256=file_sha256(swapped).upper())  # the user's word
+    assert vouched.tokenizer.read_bytes() == b"not the tokenizer that was built"
+
+
+def crafted_bundle(path: Path, members: list[tuple[str, bytes]]) -> Path:
+    """A .tar.xz of ``members`` (name, bytes) in order, with its .sha256 as the builder writes it."""
+    with lzma.open(path, "wb", format=lzma.FORMAT_XZ) as xz, tarfile.open(fileobj=xz, mode="w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    write_checksum(path)
+    return path
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (root only: skipped where it cannot be mounted)."""
+    mount_point = tmp_path / "small_disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_declared_sizes_are_checked_before_they_are_written(tmp_path: Path, small_disk: Path) -> None:
+    """Zeros compress ~7000x: 8 MiB in a ~2 KB archive; 4 MiB within an explicit limit but not the disk."""
+    bomb = crafted_bundle(tmp_path / "bomb.tar.xz", [(MANIFEST_NAME, b'{"files": {}}'), ("zeros.bin", bytes(8 << 20))])
+    message = _one_line_error(bomb, tmp_path / "out")
+    assert message == (f"bundle {bomb}: its members declare more than {16 * bomb.stat().st_size:,} bytes (reached at "
+                       f"'zeros.bin'), the most an archive of {bomb.stat().st_size:,} bytes may unpack to")
+    with pytest.raises(ValueError, match=r"declare more than 10 bytes \(reached at 'bundle_manifest.json'\)"):
+        unpack_bundle(bomb, tmp_path / "out", max_unpacked_bytes=10)
+    large = crafted_bundle(tmp_path / "large.tar.xz", [("zeros.bin", bytes(4 << 20))])
+    with pytest.raises(ValueError) as error:
+        unpack_bundle(large, small_disk / "bundle", max_unpacked_bytes=1 << 30)
+    assert str(error.value) == (f"bundle {large}: 'zeros.bin' declares 4,194,304 bytes, more than the 1,048,576 free "
+                                f"on the file system of {small_disk}")
+    assert not list(small_disk.iterdir())  # the temporary directory removed
+
+
+def test_a_full_disk_during_unpacking_is_one_line(bundle: Path, tmp_path: Path, small_disk: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The disk fills after the free-space check (another writer): the kernel's ENOSPC, as one line."""
+    members = [(MANIFEST_NAME, b'{"files": {}}')] + [(f"part{i}.bin", random.Random(i).randbytes(300_000))
+                                                      for i in range(4)]
+    archive = crafted_bundle(tmp_path / "incompressible.tar.xz", members)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(free=1 << 40))  # the check passes
+    with pytest.raises(ValueError) as error:
+        unpack_bundle(archive, small_disk / "bundle")
+    assert str(error.value) == f"bundle {archive}: unpacking into {small_disk} failed: No space left on device"
+    assert not list(small_disk.iterdir())
+
+
+@pytest.mark.parametrize(("members", "message"), [
+    ([("eval_books", b"a file"), ("eval_books/a.txt", b"a book")],
+     "archive member 'eval_books/a.txt' is below 'eval_books', a file in the archive"),
+    ([("eval_books/a.txt", b"a book"), ("eval_books", b"a file")],
+     "archive member 'eval_books' is a file where another member has a directory"),
+    ([(TOKENIZER_NAME, b"one"), (TOKENIZER_NAME, b"another")], f"archive member '{TOKENIZER_NAME}' appears twice"),
+], ids=["file, then below it", "below, then the file", "twice"])
+def test_members_whose_paths_clash_are_one_line(members: list[tuple[str, bytes]], message: str,
+                                                tmp_path: Path) -> None:
+    archive = crafted_bundle(tmp_path / "clash.tar.xz", members)
+    assert _one_line_error(archive, tmp_path / "out") == f"bundle {archive}: {message}"
 
 
 def test_a_file_that_does_not_match_the_manifest_is_a_one_line_error(bundle: Path, tmp_path: Path) -> None:
@@ -145,11 +250,13 @@ def test_a_file_that_does_not_match_the_manifest_is_a_one_line_error(bundle: Pat
     shard.write_bytes(bytes(tampered))
     bad = tmp_path / "tampered.tar.xz"
     write_archive(root, bad, progress=False)
+    write_checksum(bad)  # as if the sender checksummed the damaged archive: the manifest still catches it
     message = _one_line_error(bad, tmp_path / "out1")
     assert shard.relative_to(root).as_posix() in message and "sha256" in message
     shard.unlink()
     missing = tmp_path / "missing.tar.xz"
     write_archive(root, missing, progress=False)
+    write_checksum(missing)
     assert "is missing" in _one_line_error(missing, tmp_path / "out2")
 
 

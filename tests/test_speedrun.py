@@ -145,6 +145,7 @@ def test_dry_run_of_every_phase_from_a_bundle_on_a_bare_node(tiny_bundle: Path, 
 
 def test_a_corrupted_bundle_stops_the_run_in_one_line(tiny_bundle: Path, tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Damaged in transit (its .sha256 as built), or given without a .sha256: refused before unpacking."""
     damaged = tmp_path / "damaged.tar.xz"
     data = bytearray(tiny_bundle.read_bytes())
     data[len(data) // 2] ^= 0xFF
@@ -153,4 +154,13 @@ def test_a_corrupted_bundle_stops_the_run_in_one_line(tiny_bundle: Path, tmp_pat
             "--quiet"]
     assert reproduce.main(argv) == 2
     error = capsys.readouterr().err.strip()
-    assert len(error.splitlines()) == 1 and str(damaged) in error
+    assert len(error.splitlines()) == 1 and "no damaged.tar.xz.sha256 beside it" in error and "--bundle-sha256" in error
+    sidecar = tiny_bundle.with_name(tiny_bundle.name + ".sha256")
+    damaged.with_name(damaged.name + ".sha256").write_text(sidecar.read_text())
+    for extra in ([], ["--bundle-sha256", sidecar.read_text().split()[0]]):
+        assert reproduce.main([*argv, *extra]) == 2
+        error = capsys.readouterr().err.strip()
+        assert len(error.splitlines()) == 1 and str(damaged) in error and "is not the one that was built" in error
+    assert not (tmp_path / "out" / "data" / "bundle").exists()
+    assert reproduce.main([*argv, "--bundle-sha256", "12ab"]) == 2
+    assert capsys.readouterr().err == "error: --bundle-sha256 '12ab': expected a sha256, 64 hexadecimal digits\n"

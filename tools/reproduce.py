@@ -79,6 +79,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--bundle", type=Path, default=None,
                         help="gpu-speedrun: the data bundle (tools/build_data_bundle.py), unpacked into OUT/data/bundle "
                              "and verified")
+    parser.add_argument("--bundle-sha256", default=None, metavar="HEX",
+                        help="gpu-speedrun: the sha256 the bundle must have (default: the one in BUNDLE.sha256 beside "
+                             "it, as the builder wrote it; a bundle with neither is refused)")
     parser.add_argument("--out", type=Path, required=True, help="output directory (data, runs, eval, results)")
     parser.add_argument("--dry-run", action="store_true",
                         help="gpu-speedrun: every phase at toy size on CPU (a 2-layer model, a few steps)")
@@ -137,8 +140,9 @@ def settings_from_args(args: argparse.Namespace) -> ReproSettings:
     speedrun = args.profile == "gpu-speedrun"
     if speedrun and (args.books is not None or args.eval_books is not None):
         raise ValueError("--books/--eval-books: the gpu-speedrun profile reads its books from --bundle")
-    if not speedrun and args.bundle is not None:
-        raise ValueError(f"--bundle: only the gpu-speedrun profile reads a bundle (--profile {args.profile})")
+    if not speedrun and (args.bundle is not None or args.bundle_sha256 is not None):
+        raise ValueError(f"--bundle/--bundle-sha256: only the gpu-speedrun profile reads a bundle "
+                         f"(--profile {args.profile})")
     if args.dataset_max_books < 1:
         raise ValueError(f"--dataset-max-books {args.dataset_max_books}: must be >= 1")
     passkey_lengths = str(_profile_default(args, "passkey_lengths"))
@@ -150,7 +154,7 @@ def settings_from_args(args: argparse.Namespace) -> ReproSettings:
     phases = [phase.strip() for phase in args.only.split(",") if phase.strip()]
     settings = ReproSettings(
         books=_as_path(args.books), eval_books=_as_path(args.eval_books), out_dir=args.out, profile=args.profile,
-        bundle=args.bundle,
+        bundle=args.bundle, bundle_sha256=args.bundle_sha256,
         dry_run=args.dry_run, phases=phases if speedrun else [p for p in phases if p != "probe"], budget=budget,
         schemes=args.schemes, train_iters=args.train_iters, windows=parse_int_list(windows, "--windows"),
         stride=args.stride, max_doc_tokens=int(_profile_default(args, "max_doc_tokens")),  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -23,6 +24,28 @@ from megatron_lite.config.schema import Config, MixConfig, ModelConfig
 from megatron_lite.console import notice
 
 BASE_KEY = "base"  # top-level key of a config or mix file naming the file it inherits from
+# Bounds on what a config, mix file or --set value may make this process read, build and print. The
+# shipped files are < 4 KiB and a few hundred YAML nodes; PyYAML parses ~125 KB/s, so 1 MiB is seconds.
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_NODES = 1_000_000  # with aliases expanded: what walking, copying or printing the value visits
+MAX_SHOWN_CHARS = 200  # of a value in an error message
+
+
+def _bounded_repr() -> reprlib.Repr:
+    shortened = reprlib.Repr()
+    shortened.maxlevel, shortened.maxlist, shortened.maxdict, shortened.maxtuple = 3, 8, 8, 8
+    shortened.maxstring = shortened.maxother = shortened.maxlong = MAX_SHOWN_CHARS
+    return shortened
+
+
+_BOUNDED_REPR = _bounded_repr()
+
+
+def short_repr(value: Any) -> str:
+    """``repr(value)`` for an error message: at most ~MAX_SHOWN_CHARS characters, elided with '...', and
+    built without walking all of a large value (reprlib stops at a few items and levels)."""
+    text = _BOUNDED_REPR.repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else text[: MAX_SHOWN_CHARS - 3] + "..."
 
 
 # ----------------------------------------------------------------------------------------------
@@ -34,7 +57,7 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 def _describe(value: Any) -> str:
-    return f"{value!r} ({type(value).__name__})"
+    return f"{short_repr(value)} ({type(value).__name__})"
 
 
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
@@ -62,13 +85,19 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(annotation)
         if value not in choices:
-            raise ValueError(f"{key}={value!r}: must be one of {', '.join(map(repr, choices))}")
+            raise ValueError(f"{key}={short_repr(value)}: must be one of {', '.join(map(repr, choices))}")
         return value
     if origin is dict:
         key_type, value_type = typing.get_args(annotation)
         if not isinstance(value, dict):
             raise ValueError(f"{key}={_describe(value)}: expected a mapping")
-        return {_coerce(name, key_type, f"{key} key"): _coerce(item, value_type, f"{key}.{name}") for name, item in value.items()}
+        parsed = {}
+        for raw_name, item in value.items():
+            name = _coerce(raw_name, key_type, f"{key} key")
+            if len(str(name)) > MAX_SHOWN_CHARS:  # names go into messages: groups.NAME.weight=...
+                raise ValueError(f"{key} key {short_repr(name)}: longer than {MAX_SHOWN_CHARS} characters")
+            parsed[name] = _coerce(item, value_type, f"{key}.{name}")
+        return parsed
     if dataclasses.is_dataclass(annotation):
         if not isinstance(value, dict):
             raise ValueError(f"{key}={_describe(value)}: expected a mapping of {annotation.__name__} keys")
@@ -80,6 +109,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{key}={_describe(value)}: expected an integer")
+        if not -(2**63) <= value < 2**63:  # keeps every later message that prints it short
+            raise ValueError(f"{key}={short_repr(value)}: out of range (a 64-bit integer)")
         return value
     if annotation is float:
         # PyYAML reads "1e-5" (no dot) as a string; accept numeric strings for float fields.
@@ -111,7 +142,8 @@ def _from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         if key not in valid:
             close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(valid)}"
-            raise ValueError(f"unknown config key {prefix}{key}{hint}")
+            shown = key if len(str(key)) <= MAX_SHOWN_CHARS else short_repr(key)
+            raise ValueError(f"unknown config key {prefix}{shown}{hint}")
         kwargs[key] = _coerce(value, annotations[key], prefix + key)
     return cls(**kwargs)
 
@@ -164,7 +196,7 @@ def _validate_stages(config: Config) -> None:
         _require(stage.steps > 0, f"{key}.steps={stage.steps}: must be positive")
         _require(bool(stage.trainable), f"{key}.trainable=[]: name at least one parameter pattern (e.g. '*')")
         for position, pattern in enumerate(stage.trainable):
-            _require(bool(pattern.strip()), f"{key}.trainable[{position}]={pattern!r}: empty pattern")
+            _require(bool(pattern.strip()), f"{key}.trainable[{position}]={short_repr(pattern)}: empty pattern")
         if stage.lr is not None:
             _require(stage.lr > 0, f"{key}.lr={stage.lr}: must be positive")
             _require(train.min_lr <= stage.lr and train.warmup_start_lr <= stage.lr,
@@ -310,17 +342,23 @@ def to_dict(config: Config) -> dict[str, Any]:
 
 def parse_override(assignment: str) -> tuple[list[str], Any]:
     """'model.position.scheme=rope' -> (['model', 'position', 'scheme'], 'rope'); value parsed as YAML."""
+    where = f"override {short_repr(assignment)}"
     if "=" not in assignment:
-        raise ValueError(f"override {assignment!r}: expected KEY=VALUE, e.g. model.position.scheme=rope")
+        raise ValueError(f"{where}: expected KEY=VALUE, e.g. model.position.scheme=rope")
     key, raw_value = assignment.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise ValueError(f"override {assignment!r}: empty key component")
+        raise ValueError(f"{where}: empty key component")
+    size = len(raw_value.encode())
+    if size > MAX_YAML_BYTES:
+        raise ValueError(f"{where}: the value is {size:,} bytes, over the limit of {MAX_YAML_BYTES:,}")
     try:
-        value = yaml.safe_load(raw_value) if raw_value.strip() else None
+        value = bounded_yaml(raw_value) if raw_value.strip() else None
+    except UnboundedYaml as error:
+        raise ValueError(f"{where}: {error.problem}") from None
     except yaml.YAMLError as error:
         problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise ValueError(f"override {assignment!r}: the value is not valid YAML ({problem})") from None
+        raise ValueError(f"{where}: the value is not valid YAML ({problem})") from None
     return parts, value
 
 
@@ -332,7 +370,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         for depth, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ValueError(f"override {assignment!r}: {'.'.join(parts[: depth + 1])} is not a section")
+                raise ValueError(f"override {short_repr(assignment)}: {'.'.join(parts[: depth + 1])} is not a section")
             node = child
         node[parts[-1]] = value
     return data
@@ -343,15 +381,75 @@ def with_overrides(config: Config, overrides: list[str]) -> Config:
     return from_dict(apply_overrides(to_dict(config), overrides))
 
 
+class UnboundedYaml(yaml.MarkedYAMLError):
+    """A YAML document whose aliases expand past MAX_YAML_NODES nodes, or into themselves."""
+
+
+def _check_expansion(root: yaml.Node) -> None:
+    """Refuse a composed document that is small as written but huge (or infinite) with its aliases
+    expanded: PyYAML shares an alias's node, so parsing and constructing are cheap, but each later walk
+    of the value (checks, copies, an error message) visits every use. One pass, memoised per node:
+    expanded(node) = 1 + the sum over its children (a mapping's keys and values)."""
+    expanded: dict[int, int] = {}
+    open_nodes: set[int] = set()  # on the current path: meeting one again is a recursive alias
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]  # (node, its children are done)
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in expanded:
+            continue
+        children: list[yaml.Node] = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [part for pair in node.value for part in pair]
+        if children_done:
+            open_nodes.discard(id(node))
+            expanded[id(node)] = 1 + sum(expanded[id(child)] for child in children)
+            if expanded[id(node)] > MAX_YAML_NODES:
+                raise UnboundedYaml(problem=f"its aliases expand to more than {MAX_YAML_NODES:,} YAML nodes "
+                                            "(an alias bomb?)", problem_mark=node.start_mark)
+            continue
+        if id(node) in open_nodes:
+            raise UnboundedYaml(problem="an alias refers to a node that contains it (recursive YAML)",
+                                problem_mark=node.start_mark)
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        stack.extend((child, False) for child in children if id(child) not in expanded)
+
+
+def bounded_yaml(text: str) -> Any:
+    """``yaml.safe_load(text)``, refusing (``UnboundedYaml``) before construction a document whose aliases
+    expand past MAX_YAML_NODES nodes."""
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        if root is None:
+            return None
+        _check_expansion(root)
+        return loader.construct_document(root)
+    except RecursionError:  # the composer recurses per nesting level
+        raise UnboundedYaml(problem="nested deeper than PyYAML can parse") from None
+    except ValueError as error:  # from a constructor, e.g. an integer of more than 4,300 digits
+        problem = " ".join(str(error).split())[:MAX_SHOWN_CHARS]
+        raise yaml.constructor.ConstructorError(problem=problem) from None
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: Path) -> Any:
     """The document in a YAML file (None when empty); a syntax error is one ValueError,
-    ``FILE:LINE:COLUMN: problem``, instead of PyYAML's multi-line report."""
+    ``FILE:LINE:COLUMN: problem``, instead of PyYAML's multi-line report. A file over MAX_YAML_BYTES, or
+    whose aliases expand past MAX_YAML_NODES nodes, is refused before it is built."""
+    size = path.stat().st_size
+    if size > MAX_YAML_BYTES:
+        raise ValueError(f"{path}: {size:,} bytes, over the limit of {MAX_YAML_BYTES:,} for a config or mix file")
     try:
-        return yaml.safe_load(path.read_text())
+        return bounded_yaml(path.read_text())
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        raise ValueError(f"{where}: invalid YAML: {error.problem or error.context}") from None
+        kind = "refused" if isinstance(error, UnboundedYaml) else "invalid YAML"
+        raise ValueError(f"{where}: {kind}: {error.problem or error.context}") from None
     except yaml.YAMLError as error:
         raise ValueError(f"{path}: invalid YAML: {error}") from None
     except UnicodeDecodeError as error:
@@ -388,8 +486,8 @@ def read_chain(path: Path, missing: str) -> list[tuple[Path, dict[str, Any]]]:
         base = Path(os.path.normpath(path.parent / name))
         if base.resolve() in seen:
             names = " -> ".join(str(file) for file, _ in chain)
-            raise ValueError(f"{path}: {BASE_KEY}={name!r} makes a cycle: {names} -> {base}")
-        missing = f"{path}: {BASE_KEY}={name!r}: file {base} does not exist"
+            raise ValueError(f"{path}: {BASE_KEY}={short_repr(name)} makes a cycle: {names} -> {base}")
+        missing = f"{path}: {BASE_KEY}={short_repr(name)}: file {base} does not exist"
         path = base
 
 

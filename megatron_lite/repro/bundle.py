@@ -14,9 +14,13 @@ Layout inside the archive (and of an unpacked bundle)::
     shards/code/python_code_text_document.{bin,idx}
     eval_books/*.txt            held-out books, raw (headers kept)
 
-``unpack_bundle`` extracts into a temporary directory beside ``dest``, verifies every file against the
-manifest, records the archive's sha256 in ``dest/.bundle_sha256`` and renames the directory into place;
-a later call with the same archive is a cheap no-op.
+``unpack_bundle`` first checks the archive's sha256 against the one its builder wrote (``BUNDLE.sha256``
+beside it, or one given, e.g. ``tools/reproduce.py --bundle-sha256``): nothing is extracted from an archive
+that is not the one built. It then extracts into a temporary directory beside ``dest``, refusing members
+that declare more bytes than the disk has free or than ``MAX_UNPACK_RATIO`` times the archive, verifies
+every file against the manifest, records the archive's sha256 in ``dest/.bundle_sha256`` and renames the
+directory into place; a later call with the same archive is a cheap no-op. Every failure is one
+``ValueError`` line naming the bundle, and the temporary directory is removed.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import lzma
 import math
 import os
+import re
 import shutil
 import tarfile
 import tempfile
@@ -38,6 +43,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from megatron_lite.config.loading import short_repr
 from megatron_lite.files import file_sha256, write_bytes_atomic, write_text_atomic
 
 BUNDLE_VERSION = 1
@@ -45,6 +51,11 @@ MANIFEST_NAME = "bundle_manifest.json"
 TOKENIZER_NAME = "tokenizer.model"
 TEXT_SHARDS, CODE_SHARDS, EVAL_BOOKS = "shards/text", "shards/code", "eval_books"
 UNPACKED_STAMP = ".bundle_sha256"  # in an unpacked bundle: the sha256 of the archive it came from
+CHECKSUM_SUFFIX = ".sha256"  # BUNDLE.sha256 beside the archive: 'HEX  NAME' (sha256sum format)
+SHA256_FORMAT = re.compile(r"[0-9a-fA-F]{64}")
+# Declared unpacked bytes at most this many times the archive's: uint16 token shards compress ~2.4x (the
+# real bundle: 24.2 MiB -> 57.5 MiB), the tiny test bundle ~4.5x; a zero-filled member ~7000x.
+MAX_UNPACK_RATIO = 16
 TOKENIZER_THREADS = 2  # SentencePiece training threads (recorded in the model, so fixed)
 TEXT_SHARE = 0.75  # of the bundle's tokens: text = 3 x code
 # LZMA2 at preset 9e (64 MiB dictionary) with lp=1, pb=1: literal and match positions aligned to the 2-byte
@@ -113,10 +124,14 @@ def write_archive(root: Path, out: Path, filters: list[dict[str, Any]] | None = 
         raise
 
 
+def checksum_path(archive: Path) -> Path:
+    return archive.with_name(archive.name + CHECKSUM_SUFFIX)
+
+
 def write_checksum(archive: Path) -> str:
     """``ARCHIVE.sha256`` in sha256sum format; returns the digest."""
     digest = file_sha256(archive)
-    write_text_atomic(archive.with_name(archive.name + ".sha256"), f"{digest}  {archive.name}\n")
+    write_text_atomic(checksum_path(archive), f"{digest}  {archive.name}\n")
     return digest
 
 
@@ -136,6 +151,28 @@ def write_manifest(root: Path, manifest: dict[str, Any]) -> dict[str, Any]:
 # Unpacking
 
 
+def parse_sha256(text: str, what: str) -> str:
+    """A sha256 as 64 hexadecimal digits, lower-cased; ValueError naming ``what`` otherwise."""
+    if not SHA256_FORMAT.fullmatch(text.strip()):
+        raise ValueError(f"{what} {short_repr(text)}: expected a sha256, 64 hexadecimal digits")
+    return text.strip().lower()
+
+
+def expected_sha256(bundle: Path, given: str | None) -> tuple[str, str]:
+    """(the sha256 the archive must have, where it comes from): ``given`` (``--bundle-sha256``), else the
+    first field of ``BUNDLE.sha256``, as tools/build_data_bundle.py writes it. A bundle installs a tokenizer
+    and shards, so one with neither is refused rather than trusted."""
+    if given is not None:
+        return parse_sha256(given, "--bundle-sha256"), "--bundle-sha256"
+    sidecar = checksum_path(bundle)
+    if not sidecar.is_file():
+        raise ValueError(f"bundle {bundle}: no {sidecar.name} beside it to check the archive against; copy the "
+                         "one tools/build_data_bundle.py wrote, or give the archive's sha256 with --bundle-sha256 HEX")
+    with sidecar.open("rb") as handle:
+        fields = handle.read(4096).decode(errors="replace").split()
+    return parse_sha256(fields[0] if fields else "", f"bundle {bundle}: {sidecar} holds"), str(sidecar)
+
+
 def _members(bundle: Path, tar: tarfile.TarFile) -> Iterator[tuple[tarfile.TarInfo, str]]:
     """Regular files with safe relative names (no absolute paths, no '..', no links or devices)."""
     for info in tar:
@@ -144,14 +181,49 @@ def _members(bundle: Path, tar: tarfile.TarFile) -> Iterator[tuple[tarfile.TarIn
         if info.isdir():
             continue
         if not info.isfile() or name.startswith("/") or ".." in parts or not parts:
-            raise ValueError(f"bundle {bundle}: unexpected archive member {name!r} (not a plain relative file)")
+            raise ValueError(f"bundle {bundle}: unexpected archive member {short_repr(name)} (not a plain relative "
+                             "file)")
         yield info, name
 
 
-def _extract(bundle: Path, target: Path) -> None:
+def _check_room(bundle: Path, target: Path, info: tarfile.TarInfo, declared: int, max_bytes: int) -> None:
+    """Before a member is written: the bytes declared so far within ``max_bytes``, and the member's within
+    the free space of ``target``'s file system."""
+    if declared > max_bytes:
+        raise ValueError(f"bundle {bundle}: its members declare more than {max_bytes:,} bytes (reached at "
+                         f"{short_repr(info.name)}), the most an archive of {bundle.stat().st_size:,} bytes may "
+                         "unpack to")
+    free = shutil.disk_usage(target).free
+    if info.size > free:
+        raise ValueError(f"bundle {bundle}: {short_repr(info.name)} declares {info.size:,} bytes, more than the "
+                         f"{free:,} free on the file system of {target.parent}")
+
+
+def _check_path(bundle: Path, target: Path, name: str, seen: set[str]) -> None:
+    """A member's path is new and does not clash with another member's: a file where a directory must go
+    (or the other way round) would otherwise be a FileExistsError or IsADirectoryError."""
+    shown = short_repr(name)
+    if name in seen:
+        raise ValueError(f"bundle {bundle}: archive member {shown} appears twice")
+    seen.add(name)
+    path = target / name
+    if path.is_dir():
+        raise ValueError(f"bundle {bundle}: archive member {shown} is a file where another member has a directory")
+    for parent in path.relative_to(target).parents:
+        if (target / parent).is_file():
+            raise ValueError(f"bundle {bundle}: archive member {shown} is below {short_repr(parent.as_posix())}, "
+                             "a file in the archive")
+
+
+def _extract(bundle: Path, target: Path, max_bytes: int) -> None:
+    declared = 0
+    seen: set[str] = set()
     try:
         with tarfile.open(bundle, mode="r:xz") as tar:
             for info, name in _members(bundle, tar):
+                declared += info.size
+                _check_room(bundle, target, info, declared, max_bytes)
+                _check_path(bundle, target, name, seen)
                 path = target / name
                 path.parent.mkdir(parents=True, exist_ok=True)
                 source = tar.extractfile(info)
@@ -161,6 +233,8 @@ def _extract(bundle: Path, target: Path) -> None:
     except (lzma.LZMAError, tarfile.TarError, EOFError) as error:
         detail = " ".join(str(error).split()) or type(error).__name__
         raise ValueError(f"bundle {bundle}: corrupted or truncated archive ({detail})") from None
+    except OSError as error:  # a full disk, a file system's limit, permissions
+        raise ValueError(f"bundle {bundle}: unpacking into {target.parent} failed: {error.strerror or error}") from None
 
 
 def _read_manifest(bundle: Path, root: Path) -> dict[str, Any]:
@@ -192,12 +266,21 @@ def verify_files(bundle: Path, root: Path, manifest: dict[str, Any]) -> None:
         raise ValueError(f"bundle {bundle}: {extra[0]} is not in {MANIFEST_NAME} ({len(extra)} unlisted file(s))")
 
 
-def unpack_bundle(bundle: Path, dest: Path) -> UnpackedBundle:
-    """``bundle`` unpacked and verified at ``dest``; a cheap no-op when ``dest`` already holds it."""
+def unpack_bundle(bundle: Path, dest: Path, sha256: str | None = None,
+                  max_unpacked_bytes: int | None = None) -> UnpackedBundle:
+    """``bundle`` unpacked and verified at ``dest``; a cheap no-op when ``dest`` already holds it. The
+    archive must have the sha256 ``sha256`` or, without it, the one in ``BUNDLE.sha256``; its members may
+    declare at most ``max_unpacked_bytes`` (default: ``MAX_UNPACK_RATIO`` x the archive's size)."""
     bundle, dest = Path(bundle), Path(dest)
     if not bundle.is_file():
         raise ValueError(f"bundle {bundle}: no such file")
+    expected, source = expected_sha256(bundle, sha256)
     digest = file_sha256(bundle)
+    if digest != expected:
+        raise ValueError(f"bundle {bundle}: its sha256 is {digest}, not {expected} ({source}); the archive is "
+                         "damaged or is not the one that was built")
+    if max_unpacked_bytes is None:
+        max_unpacked_bytes = MAX_UNPACK_RATIO * bundle.stat().st_size
     stamp = dest / UNPACKED_STAMP
     if stamp.is_file() and stamp.read_text().strip() == digest:
         manifest = _read_manifest(bundle, dest)
@@ -208,11 +291,11 @@ def unpack_bundle(bundle: Path, dest: Path) -> UnpackedBundle:
         # only an earlier unpack (stamped) is ever replaced: a mistyped destination must not lose its files
         raise ValueError(f"bundle {bundle}: {dest} exists and is not an unpacked bundle (no {UNPACKED_STAMP}); "
                          "give an empty or new directory")
-    dest.parent.mkdir(parents=True, exist_ok=True)
     temporary = dest.with_name(f".{dest.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
         temporary.mkdir()
-        _extract(bundle, temporary)
+        _extract(bundle, temporary, max_unpacked_bytes)
         manifest = _read_manifest(bundle, temporary)
         verify_files(bundle, temporary, manifest)
         (temporary / UNPACKED_STAMP).write_text(digest + "\n")
@@ -221,6 +304,8 @@ def unpack_bundle(bundle: Path, dest: Path) -> UnpackedBundle:
             os.replace(dest, old)
             shutil.rmtree(old, ignore_errors=True)
         os.replace(temporary, dest)
+    except OSError as error:  # outside the extraction: creating, stamping or renaming the directories
+        raise ValueError(f"bundle {bundle}: unpacking into {dest} failed: {error.strerror or error}") from None
     finally:
         if temporary.exists():
             shutil.rmtree(temporary, ignore_errors=True)

@@ -24,6 +24,7 @@ from megatron_lite import config as config_lib
 from megatron_lite.config import Config
 from megatron_lite.files import file_sha256, write_text_atomic
 from megatron_lite.model.variants import PAPER_LABELS
+from megatron_lite.repro.bundle import parse_sha256
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMES = PAPER_LABELS  # the four models, by label (configs repro_<label>.yml)
@@ -56,6 +57,7 @@ class ReproSettings:
     out_dir: Path
     profile: str = "cpu-tiny"
     bundle: Path | None = None  # gpu-speedrun: the data bundle (tools/build_data_bundle.py)
+    bundle_sha256: str | None = None  # the sha256 it must have; None: the one in BUNDLE.sha256 beside it
     dry_run: bool = False  # gpu-speedrun at toy size (CPU, fp32): every phase, minutes
     phases: list[str] = field(default_factory=lambda: list(PHASES))  # run only these phases (the rest must be done)
     budget: SpeedrunBudget = field(default_factory=SpeedrunBudget)
@@ -109,6 +111,8 @@ def _validate_sources(settings: ReproSettings) -> None:
             raise ValueError("--bundle: the gpu-speedrun profile trains on a data bundle (tools/build_data_bundle.py)")
         if not settings.bundle.is_file():
             raise ValueError(f"--bundle {settings.bundle}: no such file")
+        if settings.bundle_sha256 is not None:
+            parse_sha256(settings.bundle_sha256, "--bundle-sha256")
         return
     if settings.books is None or settings.eval_books is None:
         raise ValueError(f"--books and --eval-books: the {settings.profile} profile needs both")

@@ -37,9 +37,10 @@ def bundle_dir(settings: ReproSettings) -> Path:
 
 
 def unpack(settings: ReproSettings) -> UnpackedBundle:
-    """The bundle, unpacked under OUT/data/bundle and verified (a no-op when it already is)."""
+    """The bundle, checked against its sha256, unpacked under OUT/data/bundle and verified (a no-op when it
+    already is)."""
     assert settings.bundle is not None
-    return unpack_bundle(settings.bundle, bundle_dir(settings))
+    return unpack_bundle(settings.bundle, bundle_dir(settings), sha256=settings.bundle_sha256)
 
 
 def bundle_mix_document(bundle: UnpackedBundle) -> dict[str, Any]:
