@@ -58,7 +58,7 @@ class TrainingResult:
 
 def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iters: int | None = None,
                  verify_data: bool = False) -> TrainingResult:
-    """Train ``config`` into ``run_dir``; see README "Training" for everything it writes. ``verify_data``
+    """Train ``config`` into ``run_dir``; see docs/training.md for everything it writes. ``verify_data``
     checks every shard even where the cache's stamp says it was verified (train.py --verify-data)."""
     dist_info = init_distributed()
     batch_sizes = resolve_batch_sizes(config, dist_info.world_size)  # ValueError before any work
