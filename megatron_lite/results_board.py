@@ -188,6 +188,10 @@ def _number(value: float | None, pattern: str) -> str:
     return MISSING if value is None else format(value, pattern)
 
 
+def _memory(gib: float) -> str:
+    return f"{gib:.3g} GiB" if gib >= 1 else f"{gib * 1024:.3g} MiB"
+
+
 def _mean(values: Sequence[float | None]) -> float | None:
     present = [value for value in values if value is not None]
     return sum(present) / len(present) if present else None
@@ -215,7 +219,7 @@ def gpu_check_row(results: dict[str, Any], *, smoke: bool, sections: Sequence[st
         "rows": ", ".join(f"{count} {status}" for status, count in sorted(statuses.items())),
         "tokens/s": MISSING if speed is None else f"{speed['tokens_per_sec']:,.0f} ({speed['mode']})",
         "MFU": _number(None if speed is None else speed.get("mfu"), ".1%"),
-        "peak memory": MISSING if memory is None else f"{memory['peak_gib']:.3g} GiB ({memory['tokens']:,} tokens)",
+        "peak memory": MISSING if memory is None else f"{_memory(memory['peak_gib'])} ({memory['tokens']:,} tokens)",
         "train.py tokens/s": _number(train.get("tokens_per_sec") if train.get("status") == "ok" else None, ",.0f"),
     }
 
@@ -245,7 +249,7 @@ def reproduction_row(results: dict[str, Any], *, profile: str, dry_run: bool, de
         "steps": f"{results['train_iters']:,}", "length": f"{results['train_length']:,}",
         "tokens/s": _number(_mean([info.get("tokens_per_sec") for info in training.values()]), ",.0f"),
         "MFU": _number(_mean([info.get("mfu") for info in training.values()]), ".1%"),
-        "peak memory": f"{max(peaks):.3g} GB" if peaks else MISSING,
+        "peak memory": _memory(max(peaks) * 1e9 / 2**30) if peaks else MISSING,  # train.py logs GB
     }
     for scheme, column in zip(PAPER_LABELS, COLUMNS[REPRODUCTIONS][-len(PAPER_LABELS):]):
         if scheme in training:

@@ -61,7 +61,7 @@ def test_smoke_writes_every_section(smoke_run: tuple[Path, float]) -> None:
 
     (row,) = results_board.read_rows(out / "board.md", results_board.GPU_CHECKS)  # the finished run's row
     assert (row["kind"], row["device"], row["run"], row["this call"]) == ("smoke", "cpu", "gpu_check", "every section")
-    assert row["tokens/s"].endswith("(eager)") and row["peak memory"].endswith("GiB (1,024 tokens)")
+    assert row["tokens/s"].endswith("(eager)") and row["peak memory"].endswith("iB (1,024 tokens)")
     assert row["MFU"] == "–" and row["train.py tokens/s"] != "–" and "failed" not in row["rows"]
 
 

@@ -82,7 +82,7 @@ def test_rows_are_appended_and_never_rewritten(tmp_path: Path) -> None:
     assert row["commit"] == "abc1234" and row["date"].endswith("Z") and row["run"] == "gpu_check"
     assert row["this call"] == "every section" and row["rows"] == "5 ok, 2 skipped, 1 unavailable"
     assert row["tokens/s"] == "12,346 (eager)" and row["MFU"] == "–" and row["train.py tokens/s"] == "2,222"
-    assert row["peak memory"] == "0.0123 GiB (1,024 tokens)"  # coca_slack's, not the largest
+    assert row["peak memory"] == "12.6 MiB (1,024 tokens)"  # coca_slack's, not the largest
     row = cells(second, GPU)
     assert row["run"] == "gpu_check --only env" and row["this call"].startswith("nothing")
 
@@ -106,7 +106,7 @@ def test_perplexity_at_one_four_and_thirty_two_times_each_training_length(tmp_pa
     columns = dict(zip(SCHEMES, board_lib.COLUMNS[REPRO][-len(SCHEMES):]))
     assert row[columns["rope"]] == "32.50 / 128.5 / 1,024" and row[columns["coca_slack"]] == "64.25 / 256.2 / –"
     assert columns["alibi"] not in row  # not trained in this run: the cell is –
-    assert (row["tokens/s"], row["MFU"], row["peak memory"]) == ("2,000", "30.0%", "2.5 GB")
+    assert (row["tokens/s"], row["MFU"], row["peak memory"]) == ("2,000", "30.0%", "2.33 GiB")  # 2.5 GB
     assert (row["steps"], row["length"], row["this call"]) == ("1,000", "32", "trained 2 of 2 models")
     line = board_lib.append_row(tmp_path / "results.md", REPRO, {"date": "d", "commit": "c", **row})
     assert cells(line, REPRO)[columns["alibi"]] == "–"
