@@ -60,16 +60,16 @@ One row per finished run of `tools/gpu_check.py` ([GPU check](benchmarks.md#gpu-
 """
 
 
-def _header_line(columns: Sequence[str]) -> str:
-    return "| " + " | ".join(columns) + " |"
+def table_line(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
 def new_board_text() -> str:
-    tables = [f"## {name}\n\n{_header_line(columns)}\n|{'---|' * len(columns)}\n" for name, columns in COLUMNS.items()]
+    tables = [f"## {name}\n\n{table_line(columns)}\n|{'---|' * len(columns)}\n" for name, columns in COLUMNS.items()]
     return BOARD_HEADER + "\n" + "\n".join(tables)
 
 
-def _cells(line: str) -> list[str]:
+def split_cells(line: str) -> list[str]:
     """The cells of a table line, unescaped pipes kept inside their cell."""
     text = line.strip()
     text = text[1:] if text.startswith("|") else text
@@ -93,10 +93,10 @@ def _table_span(path: Path, lines: list[str], table: str) -> tuple[int, int]:
     """The indices of ``table``'s first row and of the line after its last (its header and separator found
     by their cells)."""
     columns = list(COLUMNS[table])
-    headers = [index for index, line in enumerate(lines) if line.lstrip().startswith("|") and _cells(line) == columns]
+    headers = [index for index, line in enumerate(lines) if line.lstrip().startswith("|") and split_cells(line) == columns]
     if len(headers) != 1:
         found = "no" if not headers else f"{len(headers)}"
-        raise ValueError(f"{path}: {found} '{table}' table header {_header_line(columns)!r}; restore it "
+        raise ValueError(f"{path}: {found} '{table}' table header {table_line(columns)!r}; restore it "
                          "(or point --board elsewhere)")
     index = headers[0] + 1
     separator = lines[index].strip() if index < len(lines) else ""
@@ -108,6 +108,13 @@ def _table_span(path: Path, lines: list[str], table: str) -> tuple[int, int]:
     return index + 1, end
 
 
+def _read_lines(path: Path, keepends: bool) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8").splitlines(keepends=keepends)
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text (byte {error.start})") from None
+
+
 def check_board(path: Path) -> None:
     """Raise the one-line ValueError that appending would, before a long run rather than after it."""
     if path.is_dir():
@@ -116,16 +123,16 @@ def check_board(path: Path) -> None:
         if not path.parent.is_dir():
             raise ValueError(f"{path}: directory {path.parent} does not exist")
         return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines = _read_lines(path, keepends=True)
     for table in COLUMNS:
         _table_span(path, lines, table)
 
 
 def read_rows(path: Path, table: str) -> list[dict[str, str]]:
     """The rows of ``table`` on the board at ``path``, cells by column name."""
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = _read_lines(path, keepends=False)
     start, end = _table_span(path, lines, table)
-    return [dict(zip(COLUMNS[table], _cells(line))) for line in lines[start:end]]
+    return [dict(zip(COLUMNS[table], split_cells(line))) for line in lines[start:end]]
 
 
 def append_row(path: Path, table: str, row: dict[str, str]) -> str:
@@ -135,12 +142,11 @@ def append_row(path: Path, table: str, row: dict[str, str]) -> str:
     unknown = set(row) - set(COLUMNS[table])
     if unknown:
         raise ValueError(f"{table} row: unknown column(s) {', '.join(sorted(unknown))}")
-    text = path.read_text(encoding="utf-8") if path.exists() else new_board_text()
-    lines = text.splitlines(keepends=True)
+    lines = _read_lines(path, keepends=True) if path.exists() else new_board_text().splitlines(keepends=True)
     _, end = _table_span(path, lines, table)
     if end > 0 and not lines[end - 1].endswith("\n"):
         lines[end - 1] += "\n"  # the table ended the file without a newline
-    line = _header_line([_cell_text(row.get(column, "")) for column in COLUMNS[table]])
+    line = table_line([_cell_text(row.get(column, "")) for column in COLUMNS[table]])
     lines.insert(end, line + "\n")
     write_text_atomic(path, "".join(lines))
     return line

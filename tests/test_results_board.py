@@ -21,7 +21,7 @@ GPU, REPRO = board_lib.GPU_CHECKS, board_lib.REPRODUCTIONS
 
 
 def cells(line: str, table: str) -> dict[str, str]:
-    return dict(zip(board_lib.COLUMNS[table], board_lib._cells(line)))
+    return dict(zip(board_lib.COLUMNS[table], board_lib.split_cells(line)))
 
 
 def gpu_results() -> dict[str, Any]:
@@ -115,20 +115,20 @@ def test_perplexity_at_one_four_and_thirty_two_times_each_training_length(tmp_pa
 def test_a_hand_edited_board_is_kept(tmp_path: Path) -> None:
     path = tmp_path / "results.md"
     text = board_lib.new_board_text().replace("# Results board", "# Results board\n\nNotes by hand.")
-    text = text.replace(board_lib._header_line(board_lib.COLUMNS[GPU]),
+    text = text.replace(board_lib.table_line(board_lib.COLUMNS[GPU]),
                         "|date|kind| device |commit|run|this call|rows|tokens/s|MFU|peak memory|train.py tokens/s|")
     text = text.rstrip("\n") + "\n| by hand | full | x |"  # the file ends in a row without a newline
     path.write_text(text)
     line = board_lib.append_row(path, REPRO, {"kind": "dry-run"})
     assert path.read_text() == text + "\n" + line + "\n"
     line = board_lib.append_row(path, GPU, {"kind": "smoke", "run": "a | b"})
-    assert "a \\| b" in line and board_lib._cells(line)[4] == "a \\| b" and line in path.read_text()
+    assert "a \\| b" in line and board_lib.split_cells(line)[4] == "a \\| b" and line in path.read_text()
 
 
 @pytest.mark.parametrize("damage", ["no header", "two headers", "no separator"])
 def test_a_malformed_board_is_one_line_naming_the_file(tmp_path: Path, damage: str) -> None:
     path = tmp_path / "results.md"
-    header = board_lib._header_line(board_lib.COLUMNS[REPRO])
+    header = board_lib.table_line(board_lib.COLUMNS[REPRO])
     text = board_lib.new_board_text()
     text = {"no header": text.replace(header, "| date | kind |"),
             "two headers": text + "\n" + header + "\n|---|\n",
@@ -140,6 +140,9 @@ def test_a_malformed_board_is_one_line_naming_the_file(tmp_path: Path, damage: s
     assert path.read_text() == text
     with pytest.raises(ValueError, match="does not exist"):
         board_lib.check_board(tmp_path / "missing" / "results.md")
+    path.write_bytes(b"# \xff\n")
+    with pytest.raises(ValueError, match="not UTF-8"):
+        board_lib.check_board(path)
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
