@@ -93,7 +93,8 @@ def _table_span(path: Path, lines: list[str], table: str) -> tuple[int, int]:
     """The indices of ``table``'s first row and of the line after its last (its header and separator found
     by their cells)."""
     columns = list(COLUMNS[table])
-    headers = [index for index, line in enumerate(lines) if line.lstrip().startswith("|") and split_cells(line) == columns]
+    headers = [index for index, line in enumerate(lines)
+               if line.lstrip().startswith("|") and split_cells(line) == columns]
     if len(headers) != 1:
         found = "no" if not headers else f"{len(headers)}"
         raise ValueError(f"{path}: {found} '{table}' table header {table_line(columns)!r}; restore it "
@@ -203,6 +204,12 @@ def _mean(values: Sequence[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+def _measured_text(measured: Sequence[str], sections: Sequence[str]) -> str:
+    if not measured:
+        return "nothing: every section re-read from OUT"
+    return "every section" if list(measured) == list(sections) else ", ".join(measured)
+
+
 def gpu_check_row(results: dict[str, Any], *, smoke: bool, sections: Sequence[str], all_sections: Sequence[str],
                   measured: Sequence[str], device: str) -> dict[str, str]:
     """The GPU-checks cells of a gpu_check results dict (gpu_check.json's shape)."""
@@ -228,12 +235,6 @@ def gpu_check_row(results: dict[str, Any], *, smoke: bool, sections: Sequence[st
         "peak memory": MISSING if memory is None else f"{_memory(memory['peak_gib'])} ({memory['tokens']:,} tokens)",
         "train.py tokens/s": _number(train.get("tokens_per_sec") if train.get("status") == "ok" else None, ",.0f"),
     }
-
-
-def _measured_text(measured: Sequence[str], sections: Sequence[str]) -> str:
-    if not measured:
-        return "nothing: every section re-read from OUT"
-    return "every section" if list(measured) == list(sections) else ", ".join(measured)
 
 
 def perplexity_at_multiples(results: dict[str, Any], scheme: str) -> list[float | None]:
