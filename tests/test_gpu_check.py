@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_lite import results_board
 from megatron_lite.bench import gpu_check
 from megatron_lite.cli import EXIT_USER_ERROR
 from script_loading import REPO, load_script
@@ -17,10 +18,10 @@ from script_loading import REPO, load_script
 
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
-    """(out dir, seconds) of one whole --smoke run."""
+    """(out dir, seconds) of one whole --smoke run; its results board is OUT/board.md."""
     out = tmp_path_factory.mktemp("gpu_check")
     start = time.perf_counter()
-    assert load_script("tools/gpu_check.py").main(["--smoke", "--out", str(out)]) == 0
+    assert load_script("tools/gpu_check.py").main(["--smoke", "--out", str(out), "--board", str(out / "board.md")]) == 0
     return out, time.perf_counter() - start
 
 
@@ -59,21 +60,32 @@ def test_smoke_writes_every_section(smoke_run: tuple[Path, float]) -> None:
     assert train["status"] == "ok" and train["loss_last"] < train["loss_first"] and train["tokens_per_sec"] > 0
     assert all(row["status"] == "skipped: no CUDA" for row in results["sync"]["rows"]) or torch.cuda.is_available()
 
+    (row,) = results_board.read_rows(out / "board.md", results_board.GPU_CHECKS)  # the finished run's row
+    assert (row["kind"], row["device"], row["run"], row["this call"]) == ("smoke", "cpu", "gpu_check", "every section")
+    assert row["tokens/s"].endswith("(eager)") and row["peak memory"].endswith("iB (1,024 tokens)")
+    assert row["MFU"] == "–" and row["train.py tokens/s"] != "–" and "failed" not in row["rows"]
+
 
 def test_rerun_skips_finished_sections(smoke_run: tuple[Path, float], capsys: pytest.CaptureFixture[str]) -> None:
     out, first_seconds = smoke_run
     before = json.loads((out / "gpu_check.json").read_text())
+    (row_before,) = results_board.read_rows(out / "board.md", results_board.GPU_CHECKS)
     capsys.readouterr()
     start = time.perf_counter()
-    assert load_script("tools/gpu_check.py").main(["--smoke", "--out", str(out)]) == 0
+    assert load_script("tools/gpu_check.py").main(["--smoke", "--out", str(out), "--board", str(out / "board.md")]) == 0
     assert time.perf_counter() - start < min(5.0, first_seconds / 2)
     err = capsys.readouterr().err
     assert all(f"{name}: already finished" in err for name in gpu_check.SECTIONS), err
     assert json.loads((out / "gpu_check.json").read_text()) == before
+    # the re-run finished too: a second row, saying it measured nothing; the first row kept
+    first, second = results_board.read_rows(out / "board.md", results_board.GPU_CHECKS)
+    assert first == row_before and second["tokens/s"] == first["tokens/s"]
+    assert second["this call"] == "nothing: every section re-read from OUT"
 
 
 def test_only_env(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert load_script("tools/gpu_check.py").main(["--smoke", "--only", "env", "--out", str(tmp_path)]) == 0
+    assert load_script("tools/gpu_check.py").main(["--smoke", "--only", "env", "--out", str(tmp_path),
+                                                   "--no-board"]) == 0
     assert list(json.loads((tmp_path / "gpu_check.json").read_text())) == ["env"]
     assert "## env" in (tmp_path / "gpu_check.md").read_text() and "## parity" not in (tmp_path / "gpu_check.md").read_text()
     err = capsys.readouterr().err

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from megatron_lite import config as config_lib
+from megatron_lite import results_board
 from megatron_lite.repro import SCHEMES, ReproSettings, run_reproduction
 from megatron_lite.repro.settings import load_scheme_configs, validate_settings
 from megatron_lite.repro.training import training_status, training_summary
@@ -53,7 +54,8 @@ def toy_books(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def toy_argv(books: Path, eval_books: Path, out: Path, *extra: str) -> list[str]:
     argv = ["--books", str(books), "--eval-books", str(eval_books), "--out", str(out), "--train-iters", "2",
             "--windows", "32,64", "--max-doc-tokens", "128", "--passkey-lengths", "512", "--passkey-cases", "1",
-            "--ntk-factors", "2", "--headline-ntk-factor", "2", "--code-max-documents", "8", "--quiet", *extra]
+            "--ntk-factors", "2", "--headline-ntk-factor", "2", "--code-max-documents", "8", "--quiet",
+            "--board", str(out.parent / "board.md"), *extra]
     for override in TOY_MODEL:
         argv += ["--set", override]
     return argv
@@ -88,6 +90,13 @@ def test_toy_reproduction_end_to_end_and_resume(toy_books: tuple[Path, Path], tm
     for plot in ("perplexity_vs_window.png", "perplexity_ntk_factors.png", "passkey_heatmap.png"):
         assert (out / plot).stat().st_size > 1000
     first_phases = results["wall_seconds"]
+    (row,) = results_board.read_rows(tmp_path / "board.md", results_board.REPRODUCTIONS)  # the finished run's row
+    assert (row["kind"], row["run"], row["this call"]) == ("full", "reproduce cpu-tiny", "trained 4 of 4 models")
+    assert row["length"] == "32" and row["steps"] == "2" and row["tokens/s"] != "–"
+    for scheme in SCHEMES:  # windows 32 and 64 of a 32-token model: 1x evaluated, 4x and 32x not
+        cell = row[f"{scheme} ppl ×1 / ×4 / ×32"]
+        assert cell.endswith(" / – / –") and float(cell.split(" / ")[0].replace(",", "")) > 1, cell
+    board_before = (tmp_path / "board.md").read_text()
     assert set(first_phases) == {"data", "report", *(f"{kind} {s}" for s in SCHEMES
                                                      for kind in ("train", "perplexity", "passkey"))}
 
@@ -104,6 +113,10 @@ def test_toy_reproduction_end_to_end_and_resume(toy_books: tuple[Path, Path], tm
     history = json.loads((out / "wall_times.json").read_text())
     assert len(history) == 2
     assert again["wall_seconds_all_invocations"]["train rope"] >= first_phases["train rope"]
+    # the re-run, which only re-read OUT, adds a row too; the first one is kept
+    first, second = results_board.read_rows(tmp_path / "board.md", results_board.REPRODUCTIONS)
+    assert second["this call"] == "trained 0 of 4 models (all re-read from OUT)" and first == row
+    assert (tmp_path / "board.md").read_text().startswith(board_before)
 
     # One more step for RoPE only: its final checkpoint is no longer final, so it resumes from step 2.
     settings = reproduce.settings_from_args(reproduce.parse_args(

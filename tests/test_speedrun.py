@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_lite import results_board
 from megatron_lite.repro.settings import SpeedrunBudget
 from megatron_lite.repro.speedrun import plan_train_iters
 
@@ -114,11 +115,12 @@ def test_dry_run_of_every_phase_from_a_bundle_on_a_bare_node(tiny_bundle: Path, 
     assert probe.returncode != 0 and "a bare node" in probe.stderr  # the blocker is in force
     out = tmp_path / "out"
     base = [sys.executable, str(REPO / "tools/reproduce.py"), "--profile", "gpu-speedrun", "--dry-run",
-            "--bundle", str(tiny_bundle), "--out", str(out), "--probe-steps", "3", "--quiet"]
+            "--bundle", str(tiny_bundle), "--out", str(out), "--probe-steps", "3", "--quiet",
+            "--board", str(tmp_path / "board.md")]
 
     first = subprocess.run([*base, "--only", "data,probe,train"], env=env, capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stderr[-3000:]
-    assert not (out / "results.json").exists()
+    assert not (out / "results.json").exists() and not (tmp_path / "board.md").exists()  # not finished: no row
     second = subprocess.run([*base, "--only", "eval,report"], env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "matplotlib is not installed" in second.stdout + second.stderr
@@ -141,6 +143,11 @@ def test_dry_run_of_every_phase_from_a_bundle_on_a_bare_node(tiny_bundle: Path, 
     assert mix.count("type: megatron") == 2 and str(out / "data/bundle") in mix
     tables = (out / "tables.md").read_text()
     assert "# CoCA speedrun (dry run at toy size)" in tables and "## Probe and budget" in tables
+    (row,) = results_board.read_rows(tmp_path / "board.md", results_board.REPRODUCTIONS)
+    assert (row["kind"], row["run"], row["length"]) == ("dry-run", "reproduce gpu-speedrun", "32")
+    for scheme in schemes:  # windows 32 ... 128: 1x and 4x evaluated, 32x not
+        once, four_times, thirty_two_times = row[f"{scheme} ppl ×1 / ×4 / ×32"].split(" / ")
+        assert "–" not in once + four_times and thirty_two_times == "–", row
 
 
 def test_a_corrupted_bundle_stops_the_run_in_one_line(tiny_bundle: Path, tmp_path: Path,

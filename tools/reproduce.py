@@ -14,6 +14,7 @@ Resumable: a finished model is skipped, an interrupted one resumes from its late
 evaluation results are cached per cell; --only runs some phases (a run split into calls). Writes
 OUT/results.json, OUT/tables.md (the paper's Tables 1-3 layout), OUT/perplexity_vs_window.png,
 OUT/perplexity_ntk_factors.png, OUT/passkey_heatmap.png and OUT/wall_times.json; see docs/reproduction.md.
+A call that writes the report appends one row to the results board, docs/results.md (--board, --no-board).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from megatron_lite import results_board
 from megatron_lite.cli import cli_main, print_error, run_cli
 from megatron_lite.data.book_specs import books_directory
 from megatron_lite.eval.scaling import parse_int_list
@@ -122,6 +124,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="directory holding <scheme>.yml (default: the repository's configs/repro/tiny or "
                              "configs/repro/speedrun)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars or log lines (logs still written)")
+    results_board.add_board_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -195,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_lite.repro import TrainingFailed, run_reproduction
 
     args = parse_args(argv)
+    settings = settings_from_args(args)
+    board = results_board.board_from_args(args)
     try:
-        results = run_reproduction(with_books_on_disk(settings_from_args(args), args))
+        results = run_reproduction(with_books_on_disk(settings, args))
     except (TrainingFailed, EvalOutOfMemory) as error:
         print_error(error)
         return 1
@@ -204,8 +209,15 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: run the same command again to resume (finished models and results are kept)",
               file=sys.stderr)
         return 130
-    if not args.quiet and "plots" in results:  # a report was written (not stopped early by --only)
+    finished = "plots" in results  # a report was written (not stopped early by --only)
+    if not args.quiet and finished:
         print((args.out / "tables.md").read_text())
+    if board is not None and finished:
+        row = results_board.reproduction_row(results, profile=args.profile, dry_run=args.dry_run,
+                                             device=results_board.device_name())
+        board.append(results_board.REPRODUCTIONS, row)
+        if not args.quiet:
+            print(f"appended a row to {board.path}")
     return 0
 
 

@@ -126,14 +126,20 @@ def tokens_per_step(config: Config, data_parallel_size: int) -> int:
     return resolve_batch_sizes(config, data_parallel_size).tokens_per_step(config.model.seq_length)
 
 
+def steady_median(rows: Sequence[dict[str, Any]], key: str) -> float | None:
+    """Median ``key`` of the logged intervals after the first (which holds the compile and warm-up)."""
+    values = [row[key] for row in rows if row.get(key)]
+    return float(statistics.median(values[1:] or values)) if values else None
+
+
 def steady_tokens_per_second(rows: Sequence[dict[str, Any]]) -> float | None:
-    """Median tokens/s of the logged intervals after the first (which holds the compile and warm-up)."""
-    rates = [row["tokens_per_sec"] for row in rows if row.get("tokens_per_sec")]
-    return float(statistics.median(rates[1:] or rates)) if rates else None
+    """Median steady tokens/s (``steady_median``)."""
+    return steady_median(rows, "tokens_per_sec")
 
 
 def training_summary(directory: Path, config: Config, train_iters: int, action: str) -> dict[str, Any]:
-    """What the run reports about itself: steps, tokens, the last training and validation loss."""
+    """What the run reports about itself: steps, tokens, the last training and validation loss, steady
+    tokens/s and MFU, peak memory (GB)."""
     from megatron_lite.model.params import counted_parameter_count
     from megatron_lite.training.metrics import read_metrics
 
@@ -142,7 +148,8 @@ def training_summary(directory: Path, config: Config, train_iters: int, action: 
     rows = read_metrics(metrics_path) if metrics_path.is_file() else []
     losses = [row for row in rows if row.get("loss") is not None]
     validation = [row for row in rows if row.get("val_loss") is not None]
-    rate = steady_tokens_per_second(rows)
+    rate, mfu = steady_tokens_per_second(rows), steady_median(rows, "mfu")  # MFU: logged on CUDA only
+    memory = [row["memory_gb"] for row in rows if row.get("memory_gb") is not None]
     return {"action": action, "display_name": config.model.position.display_name,
             "rotary": config.model.uses_rotary, "steps": status.step,
             "tokens": status.step * tokens_per_step(config, status.data_parallel_size),
@@ -151,6 +158,7 @@ def training_summary(directory: Path, config: Config, train_iters: int, action: 
             "final_val_loss": validation[-1]["val_loss"] if validation else None,
             "final_val_ppl": validation[-1].get("val_ppl") if validation else None,
             "tokens_per_sec": None if rate is None else round(rate, 1),
+            "mfu": None if mfu is None else round(mfu, 4), "peak_memory_gb": max(memory) if memory else None,
             "checkpoint": str(status.checkpoint) if status.checkpoint else None}
 
 
