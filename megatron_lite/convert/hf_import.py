@@ -27,7 +27,7 @@ from megatron_lite import config as config_lib
 from megatron_lite.config import Config
 from megatron_lite.console import notice
 from megatron_lite.convert.hf_config import hf_config_fields, model_section_from_hf
-from megatron_lite.convert.hf_export import TRAINING_CONFIG_FILE
+from megatron_lite.convert.hf_export import TRAINING_CONFIG_FILE, config_special_ids
 from megatron_lite.convert.hf_names import from_hf_state
 from megatron_lite.weights import read_weight_file
 from megatron_lite.convert.hf_tokenizer import SENTENCEPIECE_FILE, TOKENIZER_JSON
@@ -84,10 +84,12 @@ def read_hf_config(hf_dir: Path) -> Config:
         raise ValueError(f"{hf_dir}: no config.json, not a Hugging Face model directory")
     hf = json.loads(config_file.read_text())
     config = _config_from_hf(hf_dir, hf)
-    if hf_tokenizer_file(hf_dir) is not None:  # the tokenizer carries the special ids
+    special_ids = special_ids_from_hf(hf_dir, hf)
+    # A tokenizer carries its own special ids; ids an export would write anyway (our 0/0/1) need no record.
+    if hf_tokenizer_file(hf_dir) is not None or special_ids == config_special_ids(config):
         return config
     data = config_lib.to_dict(config)
-    data["data"]["tokenizer"].update(special_ids_from_hf(hf_dir, hf))
+    data["data"]["tokenizer"].update(special_ids)
     return config_lib.from_dict(data)
 
 
