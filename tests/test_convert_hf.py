@@ -177,6 +177,23 @@ def test_stock_export_has_the_names_save_pretrained_writes(tmp_path: Path) -> No
     assert not (out / "modeling_megatron_lite.py").exists()
 
 
+def test_gpt_neox_export_names_its_base_for_loaders_that_read_v4_keys(tmp_path: Path) -> None:
+    """config.json carries rotary_emb_base beside rope_parameters: a GPT-NeoX loader that reads only the v4
+    keys (rotary_emb_base, rotary_pct) gets base 500000, not its default 10000, and float64 logits equal ours."""
+    config = converter_config("rope", **{"position.rotary_emb_base": 500000.0, "position.rotary_pct": 0.5})
+    model = random_model(config)
+    out = export(model, config, tmp_path / "hf")
+    fields = json.loads((out / "config.json").read_text())
+    assert fields["rotary_emb_base"] == 500000.0
+    v4_fields = {key: value for key, value in fields.items() if key != "rope_parameters"}
+    v4_style = transformers.GPTNeoXForCausalLM.from_pretrained(out, config=transformers.GPTNeoXConfig(**v4_fields))
+    ids = torch.randint(0, VOCAB_SIZE, (2, 40), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ours = model.double()(ids)
+        for hf_model in (v4_style, load_hf(out, remote=False)):
+            assert (hf_model.eval().double()(ids).logits - ours).abs().max().item() <= 1e-5  # HF angles are float32
+
+
 @pytest.mark.parametrize(("scheme", "expected"), [("none", 0.0), ("alibi", 0.0), ("learned", 0.0), ("coca", 0.5)])
 def test_exported_rotary_pct_is_zero_without_rotary(tmp_path: Path, scheme: str, expected: float) -> None:
     config = converter_config(scheme, **{"position.rotary_pct": 0.5})

@@ -58,11 +58,14 @@ def write_tokenizer(out: Path, add_bos: bool) -> None:
                                                            "tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
-def make_hf_model(kind: str, overrides: dict, out: Path, seed: int = 0) -> torch.nn.Module:
-    """A random tiny model saved by ``save_pretrained`` with a tokenizer; weights scaled up so that every
-    layout error moves the logits."""
-    config_class = transformers.Qwen2Config if kind == "qwen2" else transformers.LlamaConfig
-    model_class = transformers.Qwen2ForCausalLM if kind == "qwen2" else transformers.LlamaForCausalLM
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "mistral": ("MistralConfig", "MistralForCausalLM")}
+
+
+def make_hf_model(kind: str, overrides: dict, out: Path, seed: int = 0, tokenizer: bool = True) -> torch.nn.Module:
+    """A random tiny model saved by ``save_pretrained`` (with a tokenizer unless told otherwise); weights scaled
+    up so that every layout error moves the logits."""
+    config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[kind])
     torch.manual_seed(seed)
     model = model_class(config_class(**{**BASE, **overrides})).eval()
     with torch.no_grad():
@@ -73,7 +76,8 @@ def make_hf_model(kind: str, overrides: dict, out: Path, seed: int = 0) -> torch
                 parameter.normal_(0.0, 0.08)
     out.mkdir(parents=True)
     model.save_pretrained(out)
-    write_tokenizer(out, add_bos=kind == "llama")
+    if tokenizer:
+        write_tokenizer(out, add_bos=kind == "llama")
     return model
 
 
@@ -164,6 +168,83 @@ def test_unsupported_llama_variants_are_one_line_errors(tmp_path: Path, override
     make_hf_model("llama", overrides, tmp_path / "hf")
     with pytest.raises(ValueError, match=message):
         convert_checkpoint(tmp_path / "hf", tmp_path / "ours", "megatron_lite")
+
+
+# transformers computes rotary angles in float32 even in a float64 model (~5e-7 off ours here); every
+# setting these tests guard moves the logits by > 0.1.
+FLOAT64_TOLERANCE = 1e-5
+YARN_SETTINGS = {
+    "attention_factor_untruncated": {"attention_factor": 1.5, "truncate": False},
+    "mscale_pair": {"mscale": 1.0, "mscale_all_dim": 0.5},  # DeepSeek-style: attention factor from the pair
+}
+
+
+def float64_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        output = model.double()(ids)
+    return (output.logits if hasattr(output, "logits") else output)[..., :VOCAB]
+
+
+@pytest.mark.parametrize("settings", list(YARN_SETTINGS.values()), ids=list(YARN_SETTINGS))
+def test_yarn_settings_import_and_export_as_transformers_computes_them(tmp_path: Path, settings: dict) -> None:
+    """YaRN's attention_factor (or the mscale pair it comes from) and truncate: false are imported (float64
+    logits equal transformers') and exported (the stock model reloaded from our export computes the same)."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+            **settings}
+    hf_model = make_hf_model("llama", {"rope_parameters": rope}, tmp_path / "hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "ours", "megatron_lite")
+    ids = torch.randint(3, TOKENS, (2, 60), generator=torch.Generator().manual_seed(5))
+    want = float64_logits(hf_model, ids)
+    assert (float64_logits(load_model(tmp_path / "ours").model, ids) - want).abs().max().item() <= FLOAT64_TOLERANCE
+    convert_checkpoint(tmp_path / "ours", tmp_path / "back", "hf")
+    written = json.loads((tmp_path / "back" / "config.json").read_text())["rope_parameters"]
+    assert written["truncate"] is settings.get("truncate", True) and "attention_factor" in written
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert (float64_logits(reloaded, ids) - want).abs().max().item() <= FLOAT64_TOLERANCE
+
+
+@pytest.mark.parametrize(("kind", "overrides"), [
+    ("mistral", {"sliding_window": 64}),  # = max_position_embeddings: acts on every longer input
+    ("mistral", {"sliding_window": 16}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}),
+], ids=["mistral_window_at_max_positions", "mistral_window_16", "qwen2_window_16"])
+def test_sliding_windows_are_refused_in_one_line(tmp_path: Path, kind: str, overrides: dict) -> None:
+    make_hf_model(kind, overrides, tmp_path / "hf")
+    with pytest.raises(ValueError, match=f"sliding_window={overrides['sliding_window']}: sliding-window attention is "
+                                         "not supported"):
+        convert_checkpoint(tmp_path / "hf", tmp_path / "ours", "megatron_lite")
+
+
+def test_mistral_without_a_window_imports_and_a_window_at_max_positions_would_matter(tmp_path: Path) -> None:
+    """sliding_window: null is full attention: equal float64 logits beyond max_position_embeddings (64). The
+    same weights with a window of 64 give other logits there, which is why such a window is refused."""
+    hf_model = make_hf_model("mistral", {"sliding_window": None}, tmp_path / "hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "ours", "megatron_lite")
+    ids = torch.randint(3, TOKENS, (1, 96), generator=torch.Generator().manual_seed(6))
+    want = float64_logits(hf_model, ids)
+    assert (float64_logits(load_model(tmp_path / "ours").model, ids) - want).abs().max().item() <= FLOAT64_TOLERANCE
+    windowed = transformers.MistralForCausalLM(transformers.MistralConfig(**{**BASE, "sliding_window": 64})).eval()
+    windowed.load_state_dict(hf_model.state_dict())
+    assert (float64_logits(windowed, ids) - want)[:, 64:].abs().max().item() > 0.1
+
+
+@pytest.mark.parametrize("source", ["config.json", "generation_config.json"])
+def test_special_ids_without_a_tokenizer_survive_import_and_export(tmp_path: Path, source: str) -> None:
+    """A model saved without a tokenizer keeps bos/eos/pad = 1/2/0 (not megatron_lite's 0/0/1), read from
+    config.json or, where it names none, generation_config.json; the export computes the same logits."""
+    hf_model = make_hf_model("llama", {"pad_token_id": 0}, tmp_path / "hf", tokenizer=False)
+    if source == "generation_config.json":
+        config_file = tmp_path / "hf" / "config.json"
+        fields = json.loads(config_file.read_text())
+        config_file.write_text(json.dumps({key: value for key, value in fields.items() if not key.endswith("token_id")}))
+    convert_checkpoint(tmp_path / "hf", tmp_path / "ours", "megatron_lite")
+    convert_checkpoint(tmp_path / "ours", tmp_path / "back", "hf")
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((tmp_path / "back" / name).read_text())
+        assert [written[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")] == [1, 2, 0], name
+    ids = torch.randint(3, TOKENS, (1, 20), generator=torch.Generator().manual_seed(7))
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert (float64_logits(reloaded, ids) - float64_logits(hf_model, ids)).abs().max().item() <= FLOAT64_TOLERANCE
 
 
 def test_sharded_checkpoints_convert_shard_by_shard_and_back_bitwise(tmp_path: Path) -> None:

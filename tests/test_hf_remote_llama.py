@@ -37,6 +37,7 @@ VOCAB_SIZE = 250  # padded to 256 rows
 TRAIN_LENGTH = 16  # tiny_config seq_length: sequences of 40 tokens exercise dynamic NTK and the scalings
 TOLERANCE = 1e-5
 STOCK_TOLERANCE = 1e-4
+YARN_EXPLICIT = {"type": "yarn", "factor": 4.0, "attention_factor": 1.3, "truncate": False}  # HF's non-defaults
 EOS_ID, PAD_ID = 0, 1  # megatron_lite's fixed ids
 
 
@@ -112,6 +113,7 @@ CASES: list[tuple[str, str, str, dict[str, Any]]] = [
     ("coca_strict_dynamic", "coca", "strict", {"position.scaling": {"type": "dynamic", "factor": 4.0}}),
     ("rope_yarn", "rope", "slack", {"position.scaling": {"type": "yarn", "factor": 4.0}}),
     ("coca_strict_yarn", "coca", "strict", {"position.scaling": {"type": "yarn", "factor": 4.0}}),
+    ("coca_slack_yarn_attention_factor_untruncated", "coca", "slack", {"position.scaling": YARN_EXPLICIT}),
     ("rope_llama3", "rope", "slack", {"position.scaling": {"type": "llama3", "factor": 4.0}}),
     ("coca_slack_llama3_pct0.5", "coca", "slack", {"position.scaling": {"type": "llama3", "factor": 4.0},
                                                    "position.rotary_pct": 0.5}),
@@ -164,7 +166,8 @@ def test_left_padded_batch_generation_equals_unpadded(tmp_path: Path, scheme: st
     ("LlamaForCausalLM", {}),
     ("LlamaForCausalLM", {"no_weight_tying": False, "position.scaling": {"type": "llama3", "factor": 4.0}}),
     ("Qwen2ForCausalLM", {"kv_channels": 24, "qkv_bias": True}),
-], ids=["llama", "llama_tied_llama3", "qwen2_headdim24"])
+    ("LlamaForCausalLM", {"position.scaling": YARN_EXPLICIT}),
+], ids=["llama", "llama_tied_llama3", "qwen2_headdim24", "llama_yarn_attention_factor_untruncated"])
 def test_remote_rope_model_equals_stock_model(tmp_path: Path, stock: str, overrides: dict[str, Any]) -> None:
     """Same file loaded by the stock class (model_type switched): same tensor names, same logits."""
     model = random_model(llama_config("rope", **overrides))

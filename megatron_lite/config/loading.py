@@ -308,6 +308,8 @@ def validate(config: Config) -> Config:
                 f"model.position.scaling.beta_fast={scaling.beta_fast}: must exceed beta_slow="
                 f"{scaling.beta_slow} > 0",
             )
+            _require(scaling.attention_factor is None or scaling.attention_factor > 0,
+                     f"model.position.scaling.attention_factor={scaling.attention_factor}: must be positive (or null)")
         if scaling.type == "llama3":
             _require(0 < scaling.low_freq_factor < scaling.high_freq_factor,
                      f"model.position.scaling.low_freq_factor={scaling.low_freq_factor}: must be > 0 and below "

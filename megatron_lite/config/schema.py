@@ -55,6 +55,12 @@ class RopeScalingConfig:
     )
     beta_fast: float = _doc("YaRN: rotations above which dims are extrapolated (HF default 32).", default=32.0)
     beta_slow: float = _doc("YaRN: rotations below which dims are interpolated (HF default 1).", default=1.0)
+    attention_factor: float | None = _doc(
+        "YaRN: the factor multiplying cos and sin (HF attention_factor); null means 0.1 ln(factor) + 1, HF's default.",
+        default=None)
+    truncate: bool = _doc(
+        "YaRN: round the correction range to whole dims (floor/ceil) before the ramp, as HF does by default; false "
+        "keeps the fractional range (HF truncate: false, e.g. gpt-oss).", default=True)
     low_freq_factor: float = _doc(
         "llama3: wavelengths above original_max_position_embeddings / this are divided by factor (Llama-3.1: 1).",
         default=1.0)
@@ -235,6 +241,13 @@ class TokenizerConfig:
         "EOS, each document gets the specials its post-processor adds (e.g. Llama's BOS); its vocabulary "
         "(added tokens included) must be <= model.vocab_size. null trains a SentencePiece model from the mix "
         "into data.cache_dir with model.vocab_size pieces.", default=None)
+    bos_token_id: int | None = _doc(
+        "BOS id of a model that has no tokenizer file (read from an imported HF config.json / "
+        "generation_config.json, written back on export); a tokenizer's own ids win. All three null: "
+        "megatron_lite's fixed ids (bos = eos = 0, pad = 1).", default=None)
+    eos_token_id: int | list[int] | None = _doc(
+        "EOS id (or ids) of a model that has no tokenizer file; see bos_token_id.", default=None)
+    pad_token_id: int | None = _doc("PAD id of a model that has no tokenizer file; see bos_token_id.", default=None)
     sample_chars: int = _doc(
         "Characters drawn from the mix, in its group proportions, to train the tokenizer.", default=20_000_000
     )

@@ -1,7 +1,8 @@
 """Write a megatron_lite model as a Hugging Face model directory.
 
     config.json                  GPT-NeoX or Llama/Qwen2 fields (+ position_scheme, coca_constraint, auto_map for remote code)
-    generation_config.json       bos/eos = <|endoftext|>, pad = <|pad|>
+    generation_config.json       bos/eos = <|endoftext|>, pad = <|pad|> (the tokenizer's ids; without a tokenizer
+                                 those data.tokenizer records, else 0/0/1)
     model.safetensors            weights under GPTNeoXForCausalLM names (per-head fused [q | k-or-t | v]) or
                                  LlamaForCausalLM names (q/k/v/o projections)
     tokenizer.json, tokenizer_config.json (+ tokenizer.model)  (when the checkpoint has a tokenizer: SentencePiece
@@ -49,6 +50,15 @@ DEFAULT_SPECIAL_IDS = {"bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 1} 
 HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def config_special_ids(config: Config) -> dict[str, Any]:
+    """The special ids of a model without a tokenizer file: those ``data.tokenizer`` records (an imported HF
+    model's), or megatron_lite's fixed ids when it records none."""
+    tokenizer = config.data.tokenizer
+    recorded = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                "pad_token_id": tokenizer.pad_token_id}
+    return recorded if any(value is not None for value in recorded.values()) else dict(DEFAULT_SPECIAL_IDS)
+
+
 def build_llama_config(config: Config, fields: dict[str, Any]) -> Any:
     """``LlamaConfig`` / ``Qwen2Config`` (stock) or ``MegatronLiteLlamaConfig`` (remote code)."""
     if not uses_stock_model(config.model):
@@ -80,9 +90,10 @@ def build_hf_config(config: Config, special_ids: dict[str, Any], dtype: torch.dt
 
         hf_config = MegatronLiteConfig(**fields, architectures=["MegatronLiteForCausalLM"])
         hf_config.auto_map = dict(AUTO_MAP)
-    # The v4 key too, set after __init__ (which consumes it): GPT-NeoX-family loaders that read
-    # rotary_pct default it to 0.25 when it is missing.
+    # The v4 keys too, set after __init__ (which consumes them): GPT-NeoX-family loaders that read
+    # rotary_pct / rotary_emb_base default them to 0.25 / 10000 when they are missing.
     hf_config.rotary_pct = config.model.position.rotary_pct if config.model.uses_rotary else 0.0
+    hf_config.rotary_emb_base = fields["rope_parameters"]["rope_theta"]  # the base HF computes with (ntk: scaled)
     return hf_config
 
 
@@ -91,7 +102,7 @@ def write_hf_metadata(config: Config, out: Path, tokenizer_path: str | Path | No
     the remote-code files when needed and megatron_lite_config.yml."""
     from transformers import GenerationConfig
 
-    special_ids = write_hf_tokenizer(tokenizer_path, out) if tokenizer_path is not None else dict(DEFAULT_SPECIAL_IDS)
+    special_ids = write_hf_tokenizer(tokenizer_path, out) if tokenizer_path is not None else config_special_ids(config)
     if not uses_stock_model(config.model):
         for module in (REMOTE_CONFIG_MODULE, REMOTE_MODELING_MODULE):
             shutil.copyfile(REMOTE_DIR / f"{module}.py", out / f"{module}.py")

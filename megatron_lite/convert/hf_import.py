@@ -10,7 +10,9 @@ The config: when the directory holds ``megatron_lite_config.yml`` (written by ou
 config.json still describes the same architecture, that training config is restored exactly
 (round trips are lossless). Otherwise the model section is derived from config.json
 (``hf_config.model_section_from_hf``), keeping the non-architecture settings of the yml when one
-exists, and other sections take their defaults — set them with ``--set`` when training.
+exists, and other sections take their defaults — set them with ``--set`` when training. A model
+without a tokenizer keeps its bos/eos/pad ids in ``data.tokenizer`` (from config.json, else
+generation_config.json), so an export writes them back.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from megatron_lite import config as config_lib
 from megatron_lite.config import Config
 from megatron_lite.console import notice
 from megatron_lite.convert.hf_config import hf_config_fields, model_section_from_hf
-from megatron_lite.convert.hf_export import TRAINING_CONFIG_FILE
+from megatron_lite.convert.hf_export import TRAINING_CONFIG_FILE, config_special_ids
 from megatron_lite.convert.hf_names import from_hf_state
 from megatron_lite.weights import read_weight_file
 from megatron_lite.convert.hf_tokenizer import SENTENCEPIECE_FILE, TOKENIZER_JSON
 
+GENERATION_CONFIG_FILE = "generation_config.json"
+SPECIAL_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # Model keys that describe training, not the architecture: kept from megatron_lite_config.yml.
 TRAINING_ONLY_MODEL_KEYS = ("init_method", "output_layer_init_method", "checkpoint_activations", "attention", "norm")
 
@@ -78,7 +82,22 @@ def read_hf_config(hf_dir: Path) -> Config:
     config_file = hf_dir / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{hf_dir}: no config.json, not a Hugging Face model directory")
-    return _config_from_hf(hf_dir, json.loads(config_file.read_text()))
+    hf = json.loads(config_file.read_text())
+    config = _config_from_hf(hf_dir, hf)
+    special_ids = special_ids_from_hf(hf_dir, hf)
+    # A tokenizer carries its own special ids; ids an export would write anyway (our 0/0/1) need no record.
+    if hf_tokenizer_file(hf_dir) is not None or special_ids == config_special_ids(config):
+        return config
+    data = config_lib.to_dict(config)
+    data["data"]["tokenizer"].update(special_ids)
+    return config_lib.from_dict(data)
+
+
+def special_ids_from_hf(hf_dir: Path, hf: dict[str, Any]) -> dict[str, Any]:
+    """bos/eos/pad ids of a model without a tokenizer: config.json's, else generation_config.json's, else None."""
+    generation_file = hf_dir / GENERATION_CONFIG_FILE
+    generation = json.loads(generation_file.read_text()) if generation_file.is_file() else {}
+    return {key: hf[key] if hf.get(key) is not None else generation.get(key) for key in SPECIAL_ID_KEYS}
 
 
 def import_hf(path: str | Path) -> tuple[dict[str, torch.Tensor], Config, Path | None]:

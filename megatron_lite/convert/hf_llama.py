@@ -3,8 +3,9 @@
 
 Stock classes on export: RoPE over the whole head is ``LlamaForCausalLM``, or ``Qwen2ForCausalLM`` when
 the model has q/k/v biases; every other scheme (CoCA, ALiBi, learned, sinusoidal, none) or a partial
-rotary fraction needs remote code. Mistral maps onto llama when its sliding window covers the whole
-context (no window is applied); a windowed Mistral or Qwen2 is refused rather than silently changed.
+rotary fraction needs remote code. Mistral maps onto llama when it has no sliding window
+(``sliding_window: null``); a windowed Mistral or Qwen2 is refused rather than silently changed, even
+when the window equals max_position_embeddings (it still acts on longer inputs).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def llama_config_fields(model: ModelConfig) -> dict[str, Any]:
 
 
 def _refuse_unsupported(hf: dict[str, Any]) -> None:
-    model_type, max_positions = hf["model_type"], int(hf.get("max_position_embeddings", 2048))
+    model_type = hf["model_type"]
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json hidden_act={hf['hidden_act']!r}: the llama family here is SwiGLU (silu)")
     if hf.get("mlp_bias"):
@@ -67,11 +68,26 @@ def _refuse_unsupported(hf: dict[str, Any]) -> None:
     if hf.get("attention_bias") and model_type != STOCK_QWEN2_TYPE:
         raise ValueError("config.json attention_bias=true (biases on q/k/v and o_proj): only q/k/v biases (Qwen2) are "
                          "supported")
+    window = sliding_window(hf)
+    if window is not None:
+        raise ValueError(f"config.json sliding_window={window}: sliding-window attention is not supported (only full "
+                         "attention), and the window acts on every input longer than it, whatever "
+                         "max_position_embeddings says")
+
+
+def sliding_window(hf: dict[str, Any]) -> int | None:
+    """The attention window transformers applies for this config, None for full attention: Mistral's
+    ``sliding_window`` whenever set; Qwen2's only with ``use_sliding_window`` and a ``sliding_attention``
+    layer (``layer_types``, by default the layers from ``max_window_layers`` = 28 on)."""
     window = hf.get("sliding_window")
-    windowed = hf.get("use_sliding_window", model_type == "mistral") and window is not None and window < max_positions
-    if windowed:
-        raise ValueError(f"config.json sliding_window={window} < max_position_embeddings={max_positions}: "
-                         "sliding-window attention is not supported (only full attention)")
+    if window is None or hf["model_type"] == "mistral":
+        return window
+    if not hf.get("use_sliding_window", False):
+        return None
+    layer_types = hf.get("layer_types")
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    return window if int(hf["num_hidden_layers"]) > int(hf.get("max_window_layers", 28)) else None
 
 
 def llama_model_section(hf: dict[str, Any]) -> dict[str, Any]:

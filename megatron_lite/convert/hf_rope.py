@@ -6,7 +6,8 @@ HF computes scalings from config fields rather than from a training length, whic
   training length L_train (``scaling.original_max_position_embeddings`` or ``seq_length``), so a
   dynamic export sets ``max_position_embeddings = L_train``;
 * YaRN reads ``rope_parameters.original_max_position_embeddings`` (= L_train) and expects
-  ``max_position_embeddings = factor * L_train``;
+  ``max_position_embeddings = factor * L_train``; ``attention_factor`` (or the mscale / mscale_all_dim
+  pair it is computed from) and ``truncate`` are read on import and written on export;
 * llama3 reads ``original_max_position_embeddings`` (= L_train), ``low_freq_factor``, ``high_freq_factor``;
 * HF has no static NTK type: ``ntk`` is exported as the equivalent ``rope_theta``
   base * factor^(r/(r-2)) with ``rope_type: default``.
@@ -44,7 +45,9 @@ def rope_fields(model: ModelConfig) -> tuple[dict[str, Any], int]:
         max_positions = train_length
     elif kind == "yarn":
         params.update(rope_type="yarn", factor=scaling.factor, original_max_position_embeddings=train_length,
-                      beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow)
+                      beta_fast=scaling.beta_fast, beta_slow=scaling.beta_slow, truncate=scaling.truncate)
+        if scaling.attention_factor is not None:  # absent: HF's default, the same as ours
+            params["attention_factor"] = scaling.attention_factor
         max_positions = math.ceil(train_length * scaling.factor)
     elif kind == "llama3":
         params.update(rope_type="llama3", factor=scaling.factor, original_max_position_embeddings=train_length,
@@ -61,6 +64,20 @@ def rope_settings(hf: dict[str, Any], default_rotary_pct: float) -> dict[str, An
     return params
 
 
+def yarn_scaling(rope: dict[str, Any], implicit_factor: float) -> dict[str, Any]:
+    """``model.position.scaling`` for HF YaRN parameters, as _compute_yarn_parameters reads them: a null
+    factor is max_position_embeddings / original_max_position_embeddings; the attention factor is
+    ``attention_factor``, else mscale / mscale_all_dim's ratio when both are set, else HF's default (null)."""
+    factor = float(rope["factor"]) if rope.get("factor") is not None else implicit_factor
+    attention_factor = rope.get("attention_factor")
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim and factor > 1:
+        attention_factor = (0.1 * mscale * math.log(factor) + 1.0) / (0.1 * mscale_all_dim * math.log(factor) + 1.0)
+    return {"type": "yarn", "factor": factor, "beta_fast": float(rope.get("beta_fast") or 32),
+            "beta_slow": float(rope.get("beta_slow") or 1), "truncate": bool(rope.get("truncate", True)),
+            "attention_factor": float(attention_factor) if attention_factor is not None else None}
+
+
 def position_section(hf: dict[str, Any], rope: dict[str, Any], scheme: str) -> tuple[dict[str, Any], int, int]:
     """(``model.position`` mapping, seq_length, max_position_embeddings) for an HF config's rope settings."""
     max_positions = int(hf.get("max_position_embeddings", 2048))
@@ -72,8 +89,7 @@ def position_section(hf: dict[str, Any], rope: dict[str, Any], scheme: str) -> t
             scaling = {"type": kind, "factor": float(rope["factor"])}
         elif kind == "yarn":
             seq_length = int(rope.get("original_max_position_embeddings") or max_positions)
-            scaling = {"type": "yarn", "factor": float(rope["factor"]), "beta_fast": float(rope.get("beta_fast") or 32),
-                       "beta_slow": float(rope.get("beta_slow") or 1)}
+            scaling = yarn_scaling(rope, max_positions / seq_length)
         elif kind == "llama3":
             # Llama-3.1: trained at 8K, declared for 128K; train at the original length by default.
             seq_length = int(rope["original_max_position_embeddings"])

@@ -8,8 +8,9 @@ Scalings follow HF transformers ``modeling_rope_utils``:
   linear   inv_freq / factor
   ntk      base * factor^(r/(r-2))
   dynamic  base * ((factor * L / L_train) - (factor - 1))^(r/(r-2))  for L > L_train
-  yarn     NTK-by-parts blend of interpolated/extrapolated frequencies, attention factor
-           0.1 ln(factor) + 1 multiplying cos and sin.
+  yarn     NTK-by-parts blend of interpolated/extrapolated frequencies (correction range truncated to
+           whole dims unless scaling.truncate is false), attention factor multiplying cos and sin
+           (scaling.attention_factor, by default 0.1 ln(factor) + 1).
   llama3   Llama-3.1: long wavelengths / factor, short ones kept, a smooth blend between.
 """
 
@@ -38,15 +39,20 @@ def dynamic_ntk_base(base: float, rotary_dims: int, factor: float, seq_len: int,
 
 
 def yarn_inv_freq(
-    rotary_dims: int, base: float, factor: float, original_len: int, beta_fast: float, beta_slow: float
+    rotary_dims: int, base: float, factor: float, original_len: int, beta_fast: float, beta_slow: float,
+    attention_factor: float | None = None, truncate: bool = True,
 ) -> tuple[torch.Tensor, float]:
-    """YaRN inverse frequencies (float64) and attention factor, as HF _compute_yarn_parameters."""
+    """YaRN inverse frequencies (float64) and attention factor, as HF _compute_yarn_parameters: the
+    correction range is floored/ceiled to whole dims unless ``truncate`` is false; ``attention_factor``
+    None is HF's default 0.1 ln(factor) + 1."""
 
     def correction_dim(num_rotations: float) -> float:
         return rotary_dims * math.log(original_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), rotary_dims - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dims - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = ((torch.arange(rotary_dims // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
@@ -55,7 +61,8 @@ def yarn_inv_freq(
     extrapolated = 1.0 / pos_freqs
     interpolated = 1.0 / (factor * pos_freqs)
     inv_freq = interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
-    attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    if attention_factor is None:
+        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
     return inv_freq, attention_factor
 
 
@@ -108,7 +115,8 @@ class RotaryEmbedding:
         if kind == "dynamic":
             return base_inv_freq(r, dynamic_ntk_base(self.base, r, factor, seq_len, self.train_length)), 1.0
         if kind == "yarn":
-            return yarn_inv_freq(r, self.base, factor, self.train_length, self.scaling.beta_fast, self.scaling.beta_slow)
+            return yarn_inv_freq(r, self.base, factor, self.train_length, self.scaling.beta_fast, self.scaling.beta_slow,
+                                 self.scaling.attention_factor, self.scaling.truncate)
         if kind == "llama3":
             return llama3_inv_freq(r, self.base, factor, self.train_length, self.scaling.low_freq_factor,
                                    self.scaling.high_freq_factor), 1.0

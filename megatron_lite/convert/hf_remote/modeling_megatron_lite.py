@@ -86,14 +86,18 @@ def yarn_inverse_frequencies(config: AnyConfig, dims: int, base: float, factor: 
     def correction_dim(num_rotations: float) -> float:
         return dims * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dims - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):  # HF's default: the range in whole dims
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = ((torch.arange(dims // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
     position_frequencies = base ** (torch.arange(0, dims, 2, dtype=torch.float64) / dims)
     inverse = (1.0 / (factor * position_frequencies)) * ramp + (1.0 / position_frequencies) * (1 - ramp)
-    attention_factor = params.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
     return inverse, float(attention_factor)
 
 
