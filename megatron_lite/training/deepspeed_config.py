@@ -27,7 +27,7 @@ class BatchSizes:
         return self.global_batch_size * seq_length
 
     def describe(self) -> str:
-        """The start-up summary's account of the triple, e.g. ``batch 256 = 16 x 2 (derived) x 8``."""
+        """The start-up line's account: ``batch 256 = 16 micro x 2 accumulation (derived) x 8 rank(s)``."""
         derived = " (derived)" if self.accumulation_derived else ""
         return (f"batch {self.global_batch_size} = {self.micro_batch_size} micro x {self.gradient_accumulation_steps} "
                 f"accumulation{derived} x {self.data_parallel_size} rank(s)")
