@@ -184,6 +184,31 @@ def test_validation_documents_never_in_training_samples(cache):
             (SOURCE_ID[name], d) for d in range(num_documents) if d not in held_out}
 
 
+def test_validation_set_is_the_same_samples_on_any_world_size(cache):
+    """Ranks split one fixed validation set: equal-length shares (padding scores nothing), and the real
+    items over all ranks are the world-1 samples, read identically."""
+    cache_dir, mix, manifest = cache
+    config = make_config(cache_dir, mix)
+    single = build_train_valid_datasets(config.data, SEQ, manifest, 100, 10)[1]
+    assert [single[i]["index"] for i in range(len(single))] == list(range(10))
+    for world_size in (2, 3, 4, 16):
+        shares = [build_train_valid_datasets(config.data, SEQ, manifest, 100, 10, rank, world_size)[1]
+                  for rank in range(world_size)]
+        assert {len(share) for share in shares} == {-(-10 // world_size)}
+        scored = {}
+        for share in shares:
+            for i in range(len(share)):
+                item = share[i]
+                if item["index"] < 0:
+                    assert (item["labels"] == -100).all()
+                else:
+                    scored[item["index"]] = item
+        assert sorted(scored) == list(range(10))
+        for k, item in scored.items():
+            torch.testing.assert_close(item["input_ids"], single[k]["input_ids"])
+            torch.testing.assert_close(item["labels"], single[k]["labels"])
+
+
 def test_cache_reused_across_calls(cache):
     cache_dir, mix, manifest = cache
     config = make_config(cache_dir, mix, seed=11)

@@ -17,6 +17,7 @@ from megatron_lite import results_board
 from megatron_lite.repro import SCHEMES, ReproSettings, run_reproduction
 from megatron_lite.repro.settings import load_scheme_configs, validate_settings
 from megatron_lite.repro.training import training_status, training_summary
+from megatron_lite.training.deepspeed_config import resolve_batch_sizes
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -130,8 +131,7 @@ def test_toy_reproduction_end_to_end_and_resume(toy_books: tuple[Path, Path], tm
 
 def test_training_summary_counts_the_tokens_of_every_data_parallel_rank(tmp_path: Path) -> None:
     config = config_lib.load("configs/tiny/rope.yml")
-    train = config.train
-    step_tokens = train.train_micro_batch_size_per_gpu * train.gradient_accumulation_steps * config.model.seq_length
+    step_tokens = resolve_batch_sizes(config, 1).tokens_per_step(config.model.seq_length)
     for world_size in (1, 2):
         step_dir = tmp_path / f"ranks{world_size}" / "checkpoints" / "step_00000003"
         step_dir.mkdir(parents=True)

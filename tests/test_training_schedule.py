@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -106,6 +109,65 @@ def test_inconsistent_batch_triple_names_all_three() -> None:
     for part in ("train.train_batch_size=256", "train_micro_batch_size_per_gpu=16", "gradient_accumulation_steps=2",
                  "4 data-parallel ranks"):
         assert part in message
+
+
+SHIPPED_CONFIGS = sorted(path for path in Path("configs").rglob("*.yml") if path.parent.name != "data")
+WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=str)
+def test_shipped_configs_keep_their_global_batch_on_any_world_size(path: Path) -> None:
+    """Accumulation is derived (null in every shipped config): the global batch holds wherever it divides;
+    elsewhere one line names the numbers and micro batch sizes that do keep it, and those work."""
+    config = config_lib.load(path)
+    train = config.train
+    assert train.gradient_accumulation_steps is None
+    for world_size in WORLD_SIZES:
+        wanted = train.train_batch_size or train.train_micro_batch_size_per_gpu * world_size
+        if wanted % (train.train_micro_batch_size_per_gpu * world_size):
+            with pytest.raises(ValueError) as error:
+                resolve_batch_sizes(config, world_size)
+            message = str(error.value)
+            assert "\n" not in message and f"train.train_batch_size={wanted} " in message
+            assert f"train_micro_batch_size_per_gpu={train.train_micro_batch_size_per_gpu} x {world_size} " in message
+            if wanted % world_size:
+                assert f"no micro batch size keeps it on {world_size} ranks" in message
+                continue
+            suggested = re.search(r"train.train_micro_batch_size_per_gpu=([0-9, or]+) keeps it", message)
+            assert suggested, message
+            for micro in suggested.group(1).replace(" or ", ", ").split(", "):
+                fitted = config_lib.load(path, [f"train.train_micro_batch_size_per_gpu={micro}"])
+                assert resolve_batch_sizes(fitted, world_size).global_batch_size == wanted
+            continue
+        batch = resolve_batch_sizes(config, world_size)
+        assert batch.global_batch_size == wanted and batch.accumulation_derived
+        assert batch.micro_batch_size == train.train_micro_batch_size_per_gpu and batch.data_parallel_size == world_size
+
+
+def test_paper_batch_on_one_to_sixty_four_gpus() -> None:
+    config = config_lib.load("configs/coca_350m.yml")
+    triples = {world: resolve_batch_sizes(config, world) for world in (1, 2, 4, 8, 16)}
+    assert {world: b.gradient_accumulation_steps for world, b in triples.items()} == {1: 16, 2: 8, 4: 4, 8: 2, 16: 1}
+    assert triples[8].describe() == "batch 256 = 16 micro x 2 accumulation (derived) x 8 rank(s)"
+    for world_size, micro in ((32, "8, 4, 2 or 1"), (64, "4, 2 or 1")):
+        with pytest.raises(ValueError, match=f"x {world_size} data-parallel ranks = {16 * world_size}; "
+                                             f"train.train_micro_batch_size_per_gpu={micro} keeps it"):
+            resolve_batch_sizes(config, world_size)
+    with pytest.raises(ValueError, match="no micro batch size keeps it on 3 ranks"):
+        resolve_batch_sizes(config, 3)
+
+
+def test_explicit_accumulation_keeps_the_strict_check() -> None:
+    explicit = config_lib.load("configs/coca_350m.yml", ["train.gradient_accumulation_steps=2"])
+    assert not resolve_batch_sizes(explicit, 8).accumulation_derived
+    assert "(derived)" not in resolve_batch_sizes(explicit, 8).describe()
+    with pytest.raises(ValueError, match=r"train.train_batch_size=256 != train.train_micro_batch_size_per_gpu=16 x "
+                                         r"train.gradient_accumulation_steps=2 x 1 data-parallel ranks = 32"):
+        resolve_batch_sizes(explicit, 1)
+    unset_global = _config(train_micro_batch_size_per_gpu=4)
+    assert resolve_batch_sizes(unset_global, 3).global_batch_size == 12
+    with pytest.raises(ValueError, match="train.gradient_accumulation_steps=0: must be positive"):
+        _config(gradient_accumulation_steps=0)
 
 
 def test_deepspeed_config_precision_zero_and_passthrough() -> None:

@@ -111,3 +111,33 @@ def test_flops_per_token_follows_the_palm_convention() -> None:
     model = config_lib.load("configs/coca_350m.yml").model
     matmul_params = analytic_parameter_count(model) - model.padded_vocab_size * model.hidden_size
     assert model_flops_per_token(model) == 6 * matmul_params + 12 * 24 * 1024 * 512
+
+
+def test_validation_loss_is_the_same_on_any_world_size() -> None:
+    """One fixed validation set scored by 1, 2, 3 or 5 ranks (5: padded shares) gives one number: the
+    per-token mean, which on one rank is today's mean of eval_iters micro-batch losses."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from megatron_lite.data.loader import ValidationShare
+    from megatron_lite.model import build_model
+    from megatron_lite.training.step import local_validation_sums
+
+    config = config_lib.from_dict({"model": {"num_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
+                                             "seq_length": 16, "vocab_size": 64}})
+    model = build_model(config).double().eval()
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 64, (12, 17), generator=generator)  # 12 samples = eval_iters 3 x micro 4
+    samples = [{"input_ids": t[:-1], "labels": t[1:], "index": k} for k, t in enumerate(tokens)]
+    micro = 4
+
+    def val_loss(world_size: int) -> float:
+        sums = [local_validation_sums(model, DataLoader(ValidationShare(samples, rank, world_size), batch_size=micro),
+                                      torch.device("cpu")) for rank in range(world_size)]
+        return sum(weighted for weighted, _ in sums) / sum(count for _, count in sums)
+
+    with torch.no_grad():
+        batch_means = [float(model(tokens[i:i + micro, :-1], labels=tokens[i:i + micro, 1:])) for i in (0, 4, 8)]
+    assert val_loss(1) == pytest.approx(sum(batch_means) / 3, rel=1e-14)
+    for world_size in (2, 3, 5):
+        assert val_loss(world_size) == pytest.approx(val_loss(1), rel=1e-12), world_size

@@ -160,9 +160,10 @@ def _require(condition: bool, message: str) -> None:
 def _validate_train(config: Config) -> None:
     """Single-field checks of train.*; the batch triple needs the world size (training/deepspeed_config.py)."""
     train = config.train
-    positive = ["train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "log_interval", "eval_iters",
+    positive = ["train_micro_batch_size_per_gpu", "log_interval", "eval_iters",
                 "keep_last_checkpoints", "max_consecutive_nonfinite", "max_consecutive_failed_saves"]
-    optional = [name for name in ("train_iters", "train_batch_size", "exit_interval") if getattr(train, name) is not None]
+    optional = [name for name in ("train_iters", "train_batch_size", "gradient_accumulation_steps", "exit_interval")
+                if getattr(train, name) is not None]
     for name in positive + optional:
         value = getattr(train, name)
         _require(value > 0, f"train.{name}={value}: must be positive")

@@ -356,13 +356,15 @@ class TrainConfig:
         "Passes over the mix's training tokens when train_iters is null (paper: 2).", default=2.0
     )
     train_batch_size: int | None = _doc(
-        "Global batch in samples (= micro batch x gradient accumulation x data-parallel ranks); "
-        "null means derived from the other two.",
+        "Global batch in samples (= micro batch x gradient accumulation x data-parallel ranks), the same on "
+        "any number of GPUs; null means micro batch x ranks (accumulation 1) unless accumulation is set.",
         default=None,
     )
     train_micro_batch_size_per_gpu: int = _doc("Samples per rank per forward/backward.", default=16)
-    gradient_accumulation_steps: int = _doc(
-        "Micro batches per rank per optimizer step.", default=1
+    gradient_accumulation_steps: int | None = _doc(
+        "Micro batches per rank per optimizer step; null derives it at start-up as train_batch_size / (micro "
+        "batch x data-parallel ranks) (an error naming the micro batch sizes that work if it does not divide). "
+        "Set, it must multiply out to train_batch_size on the ranks launched.", default=None
     )
     zero_stage: int = _doc("DeepSpeed ZeRO stage 0-3.", default=0)
     compile: bool | None = _doc(
@@ -395,7 +397,10 @@ class TrainConfig:
         default=10,
     )
     eval_interval: int = _doc("Steps between validation runs (and one at the end); 0 disables.", default=1000)
-    eval_iters: int = _doc("Micro batches per validation run.", default=10)
+    eval_iters: int = _doc(
+        "Validation set size in micro batches: each validation run scores the same eval_iters x "
+        "train_micro_batch_size_per_gpu samples, split over the data-parallel ranks, so val_loss is the same "
+        "number on any GPU count.", default=10)
     save_interval: int = _doc("Steps between checkpoints (and one at the end); 0 saves only at the end.", default=1000)
     keep_last_checkpoints: int = _doc("Complete checkpoints kept; older ones are deleted.", default=3)
     exit_interval: int | None = _doc(

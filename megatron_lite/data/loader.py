@@ -12,13 +12,15 @@ the trainer must not shift again; no loss mask at document boundaries, as in GPT
 its source and group (names in ``dataset.source_names`` / ``dataset.group_names``) for logging
 shares, and its global sample index.
 
-Ranks: global sample k goes to data-parallel rank k % world_size, in order. Resume: with
+Ranks: global sample k goes to data-parallel rank k % world_size, in order (validation too, padded so
+that every rank's share has the same length: ``ValidationShare``). Resume: with
 ``consumed_samples=c`` (global, all ranks together) each rank continues at the first k >= c of
 its own, so the union of the ranks' streams is exactly the single-rank stream from c.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from megatron_lite.data import blend
 from megatron_lite.data.indexed import IndexedDataset
 from megatron_lite.data.manifest import Manifest
 from megatron_lite.data.mix import group_weights, load_mix
+from megatron_lite.model.loss import IGNORE_INDEX
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,31 @@ class RankSlice(Dataset):
         return self.dataset.group_names
 
 
+class ValidationShare(Dataset):
+    """One rank's share of a fixed validation set: global k = rank + i * world_size for i < ceil(N / world_size).
+
+    Every rank gets the same number of items, so every rank runs the same number of forward passes (ZeRO-3
+    gathers parameters collectively in each); the k >= N that even the shares out repeat sample k - N with
+    every label ``IGNORE_INDEX`` and index -1, so they add nothing to the loss. The union of the ranks' real
+    items is samples 0..N-1 whatever the world size."""
+
+    def __init__(self, dataset: BlendedDataset, rank: int = 0, world_size: int = 1) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
+        self.dataset = dataset
+        self.global_indices = range(rank, world_size * math.ceil(len(dataset) / world_size), world_size)
+
+    def __len__(self) -> int:
+        return len(self.global_indices)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        k = self.global_indices[i]
+        if k < len(self.dataset):
+            return self.dataset[k]
+        item = self.dataset[k - len(self.dataset)]
+        return {**item, "labels": torch.full_like(item["labels"], IGNORE_INDEX), "index": -1}
+
+
 def _is_index_builder(rank: int) -> bool:
     """Global rank 0 builds (data-parallel rank 0 may exist once per model-parallel group)."""
     import torch.distributed as dist
@@ -237,8 +265,9 @@ def build_train_valid_datasets(
     *,
     mix: MixConfig | None = None,
     wait_timeout_s: float = 3600.0,
-) -> tuple[RankSlice, RankSlice | None]:
-    """This rank's training stream (from ``consumed_samples``) and validation stream (from 0).
+) -> tuple[RankSlice, ValidationShare | None]:
+    """This rank's training stream (from ``consumed_samples``) and its share of the validation set
+    (``ValidationShare``: samples 0..num_valid_samples-1 over all ranks, padded to equal shares).
 
     Sample counts are global (all ranks). The validation dataset is None when num_valid_samples
     is 0 or data.validation_fraction is 0.
@@ -258,7 +287,7 @@ def build_train_valid_datasets(
         notice(f"num_valid_samples={num_valid_samples} ignored: data.validation_fraction is 0", stacklevel=2)
         return train_slice, None
     valid = build_blended_dataset(data, seq_length, manifest, "valid", num_valid_samples, **common)
-    return train_slice, RankSlice(valid, rank, world_size, 0)
+    return train_slice, ValidationShare(valid, rank, world_size)
 
 
 def data_report(data: DataConfig, seq_length: int, manifest: Manifest, num_samples: int, *,

@@ -31,15 +31,22 @@ class TrainingData:
                 ) -> tuple[DataLoader, DataLoader | None]:
         """This rank's training stream from ``consumed_samples`` and its validation stream."""
         train = config.train
-        num_valid = train.eval_iters * batch.micro_batch_size * dist_info.world_size if train.eval_interval else 0
+        num_valid = validation_samples(config) if train.eval_interval else 0
         train_set, valid_set = build_train_valid_datasets(
             config.data, config.model.seq_length, self.manifest, self.total_steps * batch.global_batch_size, num_valid,
             rank=dist_info.rank, world_size=dist_info.world_size, consumed_samples=consumed_samples, mix=self.mix)
         train_loader = DataLoader(train_set, batch_size=batch.micro_batch_size, shuffle=False, drop_last=True,
                                   num_workers=train.num_workers, persistent_workers=False)
+        # every rank's share has the same length (padded), so the same number of batches, the last maybe short
         valid_loader = None if valid_set is None else DataLoader(valid_set, batch_size=batch.micro_batch_size,
-                                                                 shuffle=False, drop_last=True)
+                                                                 shuffle=False, drop_last=False)
         return train_loader, valid_loader
+
+
+def validation_samples(config: Config) -> int:
+    """The validation set's size: train.eval_iters x train.train_micro_batch_size_per_gpu samples, whatever
+    the world size (one rank scores them in eval_iters micro batches; N ranks split them)."""
+    return config.train.eval_iters * config.train.train_micro_batch_size_per_gpu
 
 
 def _prepare_on_rank0(config: Config, dist_info: DistributedInfo, verify_data: bool = False) -> MixConfig:

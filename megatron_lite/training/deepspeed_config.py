@@ -16,6 +16,7 @@ class BatchSizes:
     micro_batch_size: int  # samples per rank per forward/backward
     gradient_accumulation_steps: int
     data_parallel_size: int
+    accumulation_derived: bool = False  # train.gradient_accumulation_steps was null, so it was computed
 
     @property
     def global_batch_size(self) -> int:
@@ -25,18 +26,52 @@ class BatchSizes:
         """Tokens of one optimizer step over all data-parallel ranks."""
         return self.global_batch_size * seq_length
 
+    def describe(self) -> str:
+        """The start-up line's account: ``batch 256 = 16 micro x 2 accumulation (derived) x 8 rank(s)``."""
+        derived = " (derived)" if self.accumulation_derived else ""
+        return (f"batch {self.global_batch_size} = {self.micro_batch_size} micro x {self.gradient_accumulation_steps} "
+                f"accumulation{derived} x {self.data_parallel_size} rank(s)")
+
+
+MAX_SUGGESTED_MICRO_SIZES = 4
+
 
 def resolve_batch_sizes(config: Config, world_size: int) -> BatchSizes:
-    """micro x accumulation x ranks must equal train_batch_size when that is set; ValueError names all three."""
+    """The triple for ``world_size`` data-parallel ranks. A null train.gradient_accumulation_steps is derived:
+    train_batch_size / (micro x ranks), or 1 when train_batch_size is null too; an explicit one must multiply
+    out to train_batch_size. ValueError (one line, naming the numbers) when it cannot."""
     train = config.train
-    batch = BatchSizes(train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps, world_size)
-    if train.train_batch_size is not None and train.train_batch_size != batch.global_batch_size:
+    micro, accumulation, target = (train.train_micro_batch_size_per_gpu, train.gradient_accumulation_steps,
+                                   train.train_batch_size)
+    if accumulation is None:
+        if target is None:
+            return BatchSizes(micro, 1, world_size, accumulation_derived=True)
+        if target % (micro * world_size):
+            raise ValueError(
+                f"train.train_batch_size={target} is not a multiple of train.train_micro_batch_size_per_gpu={micro} "
+                f"x {world_size} data-parallel ranks = {micro * world_size}; "
+                + _micro_sizes_that_fit(target, micro, world_size))
+        return BatchSizes(micro, target // (micro * world_size), world_size, accumulation_derived=True)
+    batch = BatchSizes(micro, accumulation, world_size)
+    if target is not None and target != batch.global_batch_size:
         raise ValueError(
-            f"train.train_batch_size={train.train_batch_size} != train.train_micro_batch_size_per_gpu="
-            f"{batch.micro_batch_size} x train.gradient_accumulation_steps={batch.gradient_accumulation_steps} x "
-            f"{world_size} data-parallel ranks = {batch.global_batch_size}"
+            f"train.train_batch_size={target} != train.train_micro_batch_size_per_gpu="
+            f"{micro} x train.gradient_accumulation_steps={accumulation} x "
+            f"{world_size} data-parallel ranks = {batch.global_batch_size} (a null "
+            "train.gradient_accumulation_steps derives it from the other two)"
         )
     return batch
+
+
+def _micro_sizes_that_fit(global_batch: int, micro: int, world_size: int) -> str:
+    """The advice closing the not-a-multiple error: the largest micro batch sizes up to ``micro`` (it may be
+    what fits in memory) that keep ``global_batch`` on ``world_size`` ranks."""
+    if global_batch % world_size:
+        return f"no micro batch size keeps it on {world_size} ranks; change train.train_batch_size"
+    per_rank = global_batch // world_size
+    sizes = [size for size in range(min(micro, per_rank), 0, -1) if per_rank % size == 0][:MAX_SUGGESTED_MICRO_SIZES]
+    listed = ", ".join(map(str, sizes[:-1])) + (" or " if len(sizes) > 1 else "") + str(sizes[-1])
+    return f"train.train_micro_batch_size_per_gpu={listed} keeps it (set it with --set)"
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

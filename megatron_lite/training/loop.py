@@ -114,7 +114,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
             end = policies.step_end(state.step, stop.received(on_any_rank=outcome.signalled))
             side_work_start = time.perf_counter()
             if valid_loader is not None and train.eval_interval and (state.step % train.eval_interval == 0 or end.last):
-                result.val_loss = report.validation(staged.engine, valid_loader, train.eval_iters, state.step)
+                result.val_loss = report.validation(staged.engine, valid_loader, state.step)
             saved = (save_checkpoint(staged.engine, run_dir, state, config, data.tokenizer_path, dist_info,
                                      train.keep_last_checkpoints) if end.save else None)
             if saved is not None:
@@ -168,8 +168,7 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
         f"model: {counted_parameter_count(config.model):,} parameters, scheme {config.model.position.label}, "
         f"precision {config.precision}{' (compiled)' if staged.compiled else ''}, ZeRO {config.train.zero_stage}, "
         f"{dist_info.world_size} rank(s) on "
-        f"{dist_info.device.type}; batch {batch_sizes.global_batch_size} = {batch_sizes.micro_batch_size} x "
-        f"{batch_sizes.gradient_accumulation_steps} x {batch_sizes.data_parallel_size}; {data.total_steps} steps "
+        f"{dist_info.device.type}; {batch_sizes.describe()}; {data.total_steps} steps "
         f"({data.steps_source}); run dir {run_dir}"
         + (f"; resumed from {resume_dir} at step {state.step}" if resume_dir else ""))
     staged.log_stage()

@@ -84,8 +84,8 @@ class StepReport:
             if self.dist_info.is_main:
                 console(metrics_lib.format_row(row, self.total_steps))
 
-    def validation(self, engine: Any, loader: DataLoader, eval_iters: int, step: int) -> float:
-        val_loss = evaluate(engine, loader, eval_iters, self.dist_info.device)
+    def validation(self, engine: Any, loader: DataLoader, step: int) -> float:
+        val_loss = evaluate(engine, loader, self.dist_info.device)
         row = {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
         self.logger.log(row)
         if self.dist_info.is_main:

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from megatron_lite.config import Config
+from megatron_lite.model.loss import IGNORE_INDEX
 from megatron_lite.training.distributed import all_reduce_sum
 from megatron_lite.training.engine import StagedEngine
 
@@ -73,19 +74,28 @@ def micro_batches(iterator: Iterator[dict[str, torch.Tensor]], count: int) -> li
         raise RuntimeError("training data ran out before the last step") from None
 
 
-@torch.no_grad()
-def evaluate(engine: Any, loader: DataLoader, num_batches: int, device: torch.device) -> float:
-    """Mean validation loss over ``num_batches`` micro batches per rank, averaged over ranks."""
+def evaluate(engine: Any, loader: DataLoader, device: torch.device) -> float:
+    """Mean validation loss per token over all ranks' shares of the validation set (``ValidationShare``):
+    each batch's mean loss weighted by its scored tokens, so the value does not depend on how the samples
+    are split over ranks and batches."""
     engine.eval()
-    total, count = 0.0, 0
-    for index, batch in enumerate(loader):
-        if index == num_batches:
-            break
-        total += float(engine(batch["input_ids"].to(device), labels=batch["labels"].to(device)))
-        count += 1
+    weighted_sum, tokens = local_validation_sums(engine, loader, device)
     engine.train()
-    summed, counted = all_reduce_sum([total, float(count)], device)
+    summed, counted = all_reduce_sum([weighted_sum, tokens], device)
     return summed / max(counted, 1.0)
+
+
+@torch.no_grad()
+def local_validation_sums(engine: Any, loader: DataLoader, device: torch.device) -> tuple[float, float]:
+    """This rank's (sum over batches of mean loss x scored tokens, scored tokens); padding labels score nothing."""
+    weighted_sum, tokens = 0.0, 0.0
+    for batch in loader:
+        loss = engine(batch["input_ids"].to(device), labels=batch["labels"].to(device))  # every rank runs it
+        scored = int((batch["labels"] != IGNORE_INDEX).sum())
+        if scored:  # an all-padding batch's mean is 0/0
+            weighted_sum += float(loss) * scored
+            tokens += scored
+    return weighted_sum, tokens
 
 
 def _deepspeed_skips_grad_norm(config: Config) -> bool:
