@@ -19,7 +19,8 @@ import pytest
 
 from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
-from megatron_lite.training.run_lock import LOCK_FILE, RUN_LOCK_HEARTBEAT_ENV, RunDirLocked, acquire, read_holder
+from megatron_lite.training.run_lock import (LOCK_FILE, RUN_LOCK_HEARTBEAT_ENV, RunDirLocked, _take_over, acquire,
+                                             read_holder)
 from training_helpers import REPO, metrics, run_train, tiny_train_config, train_command, write_config
 
 
@@ -84,6 +85,19 @@ def test_wait_for_lock_succeeds_once_the_holder_releases(tmp_path: Path) -> None
     assert 0.4 < time.monotonic() - started < 10
     assert read_holder(tmp_path / LOCK_FILE).run_id == lock.run_id
     lock.release()
+
+
+def test_a_takeover_decided_on_an_outdated_view_leaves_the_winners_lock(tmp_path: Path) -> None:
+    """The race a takeover must survive, made deterministic: a late taker judged the old lock stale, and
+    another run has taken it over since."""
+    path = tmp_path / LOCK_FILE
+    _write_lock(path, "node-elsewhere", 1, age=500.0)
+    outdated = read_holder(path)
+    with pytest.warns(UserWarning, match="taking over the run lock"):
+        winner = acquire(tmp_path)
+    assert not _take_over(path, outdated, "late", 30.0)
+    assert read_holder(path).run_id == winner.run_id
+    winner.release()
 
 
 def _race(run_dir: str, start: multiprocessing.synchronize.Event, done: multiprocessing.synchronize.Event,
