@@ -1,9 +1,10 @@
 """One run per run directory: rank 0 holds ``<run-dir>/run.lock`` for the whole run.
 
 The lock file is created atomically and whole (written to a private temp file, then ``os.link``ed to
-its name, which fails if the name exists: the classic NFS-safe way, where ``flock`` may not work, and no
-reader ever sees it half-written) and holds JSON naming its holder: host, pid, start time, heartbeat period and a run id. A thread refreshes
-its mtime every heartbeat period (``RUN_LOCK_HEARTBEAT_ENV`` seconds, default 30). A second run on the
+its name, which fails if the name exists: the classic NFS-safe way, where ``flock`` may not work, and
+no reader ever sees it half-written) and holds JSON naming its holder: host, pid, start time,
+heartbeat period and a run id. A thread refreshes its mtime every heartbeat period
+(``RUN_LOCK_HEARTBEAT_ENV`` seconds, default 30). A second run on the
 directory stops with one line naming the holder, unless the holder is gone: its pid is dead (same
 host), or its heartbeat is older than ``STALE_HEARTBEATS`` periods (another host: 120 s by default).
 Such a lock is taken over with a notice, race-safe: under a guard file (made the same way) the taker
