@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", default="auto", metavar="auto|PATH|none",
                         help="auto: continue from the run dir's latest complete checkpoint if any (default); "
                              "PATH: a run or step dir; none: start fresh")
+    parser.add_argument("--wait-for-lock", type=float, default=0.0, metavar="SECONDS",
+                        help="if another live run holds the run dir's lock (run.lock), wait up to SECONDS for it to "
+                             "end instead of stopping at once (a re-queued job waiting out its predecessor)")
     parser.add_argument("--verify-data", action="store_true",
                         help="check every data shard's sha256 and token ids, even if the cache records them as "
                              "verified (done once per shard set anyway)")
@@ -35,17 +38,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def validate_arguments(args: argparse.Namespace, run_dir: Path) -> None:
+    """The command line's own errors, before DeepSpeed starts or any directory is made."""
+    if args.train_iters is not None and args.train_iters <= 0:
+        raise ValueError(f"--train-iters {args.train_iters}: must be positive")
+    if not args.wait_for_lock >= 0:
+        raise ValueError(f"--wait-for-lock {args.wait_for_lock}: must be a number of seconds >= 0")
+    if args.resume not in ("auto", "none") and not Path(args.resume).is_dir():
+        raise ValueError(f"--resume {args.resume}: no such directory (expected auto, none or a run or step dir)")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--run-dir {run_dir}: exists and is not a directory")
+
+
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    run_dir = args.run_dir or Path("runs") / Path(args.config).stem
+    validate_arguments(args, run_dir)
     from megatron_lite import config as config_lib
 
     config = config_lib.load(args.config, args.set)
     from megatron_lite.training.loop import run_training
 
-    run_dir = args.run_dir or Path("runs") / Path(args.config).stem
     return run_training(config, run_dir, resume=args.resume, train_iters=args.train_iters,
-                        verify_data=args.verify_data).exit_code
+                        verify_data=args.verify_data, wait_for_lock=args.wait_for_lock).exit_code
 
 
 if __name__ == "__main__":

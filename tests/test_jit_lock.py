@@ -1,5 +1,6 @@
 """A stale lock left by a JIT build killed mid-way (issue 16 item 7): train.py names it while it waits,
-and goes on once it is deleted, instead of sleeping forever without a word."""
+and goes on once it is deleted, instead of sleeping forever without a word; a lock a live build holds
+open is reported as a wait, never as stale (issue 28 item 9)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_lite.training.jit_lock import LOCK_WARN_ENV, extensions_root, lock_files
+from megatron_lite.training.jit_lock import LOCK_WARN_ENV, _describe, extensions_root, lock_files, processes_holding
 from training_helpers import REPO, tiny_train_config, train_command, write_config
-
-pytestmark = pytest.mark.slow  # multi-rank or end-to-end runs of train.py
 
 OP = "deepspeed_shm_comm"
 
@@ -27,6 +26,26 @@ def _built_op_dir() -> Path | None:
     return found[0].parent if found else None
 
 
+def test_a_lock_a_live_process_holds_open_is_a_wait_and_one_nobody_holds_is_stale(tmp_path: Path) -> None:
+    lock = tmp_path / OP / "lock"
+    lock.parent.mkdir()
+    fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_RDWR)  # as torch's FileBaton takes it
+    builder = subprocess.Popen(["sleep", "60"], pass_fds=(fd,))  # a build still running, in another process
+    os.close(fd)
+    try:
+        assert processes_holding(lock) == [builder.pid]
+        message = _describe(lock)
+        assert message is not None and f"held by the running build (pid {builder.pid})" in message
+        assert "delete" not in message
+    finally:
+        builder.kill()
+        builder.wait()
+    message = _describe(lock)  # its builder is gone: the lock is stale
+    assert message is not None and "no process on this host has it open" in message
+    assert message.endswith("delete it if no build is running")
+
+
+@pytest.mark.slow  # an end-to-end run of train.py
 def test_stale_jit_lock_is_named_while_waiting_and_deleting_it_lets_the_run_go_on(training_corpus,
                                                                                     tmp_path: Path) -> None:
     mix, cache = training_corpus

@@ -135,6 +135,10 @@ def test_sigkill_while_saving_resumes_from_previous_checkpoint(training_corpus, 
     assert checkpoint_dirs.latest_complete(checkpoints) == checkpoints / "step_00000004"
     resumed = run_train(write_config(tmp_path / "config.yml", tiny_train_config(mix, cache)), tmp_path / "run")
     assert "step_00000004" in resumed.stdout and "resumed from" in resumed.stdout
+    # the killed run's lock stayed behind; its pid is dead, so the next run takes it over and says so
+    assert re.search(r"warning: taking over the run lock \S+run\.lock of train\.py pid \d+ .*: its process \d+ is gone",
+                     resumed.stdout), resumed.stdout[-3000:]
+    assert not (tmp_path / "run/run.lock").exists()
     assert_bitwise_equal(weights(checkpoints / "step_00000008"), weights(baseline / "checkpoints/step_00000008"))
     # steps 5-8 ran twice; metrics.jsonl keeps one row per step (the crashed attempt's are dropped)
     assert "dropped" in resumed.stdout and "after step 4" in resumed.stdout
@@ -142,24 +146,32 @@ def test_sigkill_while_saving_resumes_from_previous_checkpoint(training_corpus, 
         [(r["step"], "val_loss" in r) for r in metrics(baseline)]
 
 
-def test_sigterm_writes_a_final_checkpoint(training_corpus, tmp_path: Path) -> None:
+def test_sigint_and_sigterm_write_a_final_checkpoint_and_exit_as_signalled(training_corpus, tmp_path: Path) -> None:
+    """Ctrl-C, then SIGTERM to the resumed run: each saves, records why it stopped (the checkpoint's marker, the
+    last metrics row) and exits 128 + the signal's number, so a script can tell a stop from a finished run."""
     mix, cache = training_corpus
     config = write_config(tmp_path / "config.yml", tiny_train_config(mix, cache, train_iters=5000, save_interval=0,
                                                                      eval_interval=0))
     run_dir = tmp_path / "run"
-    process = subprocess.Popen(train_command(config, run_dir), text=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT)
-    deadline = time.time() + 120
-    while time.time() < deadline and not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 3):
-        time.sleep(0.2)
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=120)
-    assert process.returncode == 0, output[-3000:]
-    assert "stopped by SIGTERM" in output
-    final = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
-    assert final is not None
-    step = checkpoint_dirs.read_complete_marker(final)["step"]
-    assert 3 <= step < 5000 and final.name == checkpoint_dirs.step_tag(step)
+    for signum, exit_code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        logged = len(metrics(run_dir)) if (run_dir / "metrics.jsonl").is_file() else 0
+        process = subprocess.Popen(train_command(config, run_dir), text=True, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT)
+        deadline = time.time() + 120
+        while time.time() < deadline and not ((run_dir / "metrics.jsonl").is_file()
+                                              and len(metrics(run_dir)) >= logged + 3):
+            time.sleep(0.2)
+        process.send_signal(signum)
+        output, _ = process.communicate(timeout=120)
+        assert process.returncode == exit_code, output[-3000:]
+        assert f"stopped by {signum.name}" in output
+        final = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
+        assert final is not None
+        marker = checkpoint_dirs.read_complete_marker(final)
+        assert 3 <= marker["step"] < 5000 and final.name == checkpoint_dirs.step_tag(marker["step"])
+        ending = {"stopped_by": "signal", "signal": signum.name}
+        assert {key: marker.get(key) for key in ending} == ending
+        assert metrics(run_dir)[-1] == {"step": marker["step"], **ending}
 
 
 def test_sigterm_to_the_launchers_process_group_stops_both_ranks_at_one_step(training_corpus, tmp_path: Path) -> None:
@@ -177,6 +189,10 @@ def test_sigterm_to_the_launchers_process_group_stops_both_ranks_at_one_step(tra
     assert "stopped by SIGTERM" in output, output[-3000:]
     final = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
     assert final is not None and len(list(final.glob("zero_pp_rank_*_optim_states.pt"))) == 2
+    # the launcher exits 1 whatever the ranks return: the run dir says why the run ended
+    step = checkpoint_dirs.read_complete_marker(final)["step"]
+    assert checkpoint_dirs.read_complete_marker(final)["stopped_by"] == "signal"
+    assert metrics(run_dir)[-1] == {"step": step, "stopped_by": "signal", "signal": "SIGTERM"}
     assert len(list(final.glob("rng_state_rank*.pt"))) == 2
 
 

@@ -98,9 +98,10 @@ def _agree(error: Exception | None, records: list[FileRecord]) -> tuple[int, lis
 
 
 def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Config, tokenizer_path: Path | None,
-                    dist_info: DistributedInfo, keep_last: int) -> Path | None:
+                    dist_info: DistributedInfo, keep_last: int, ending: dict[str, str] | None = None) -> Path | None:
     """Write one complete checkpoint; None (and the previous one intact, still ``latest``) if any write on
     any rank failed. Every rank returns after the same two all-rank agreements, so none waits on a failed one.
+    ``ending``: how the run ends at this checkpoint (``stopped_by``, ``signal``), added to its COMPLETE marker.
 
     ``engine.checkpoint_engine`` must be a VerifiedCheckpointEngine (``checkpoint_engine.install``): it
     hashes DeepSpeed's files as they are written and holds a failed write instead of raising it.
@@ -140,7 +141,7 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Co
                 write_manifest(step_dir, records)
                 marker = {**state.__dict__, "world_size": dist_info.world_size,
                           "zero_stage": config.train.zero_stage, "precision": config.precision,
-                          "seconds": round(time.perf_counter() - started, 3)}
+                          "seconds": round(time.perf_counter() - started, 3), **(ending or {})}
                 write_text_atomic(step_dir / checkpoint_dirs.COMPLETE_MARKER, json.dumps(marker, indent=2) + "\n")
                 write_text_atomic(checkpoints / checkpoint_dirs.LATEST_FILE, tag + "\n")  # last: the commit point
         except Exception as caught:

@@ -3,9 +3,10 @@
 ``deepspeed.init_distributed`` builds (or loads) ``deepspeed_shm_comm`` through
 ``torch.utils.cpp_extension``, which guards the build directory with a ``lock`` file and makes every
 other process sleep until it disappears. A builder killed mid-build (SIGKILL, OOM) leaves the file
-behind, and the file holds no process id, so a dead builder cannot be told from a slow one: every
-later run then waits forever without a word. While start-up waits, a watcher thread names any such
-lock file after ``LOCK_WARN_ENV`` seconds (default 60) and keeps naming it every as many seconds.
+behind, and the file holds no process id; but a live builder keeps it open, so ``/proc/*/fd`` tells
+a running build on this host from a dead one. While start-up waits, a watcher thread names any such
+lock file after ``LOCK_WARN_ENV`` seconds (default 60) and keeps naming it every as many seconds: as
+stale (advising its deletion) only when no process on this host has it open.
 """
 
 from __future__ import annotations
@@ -39,13 +40,30 @@ def lock_files(root: Path) -> list[Path]:
     return sorted({*root.glob("*/lock"), *root.glob("*/*/lock")})
 
 
+def processes_holding(path: Path) -> list[int]:
+    """Pids of this host's processes with ``path`` open (those whose /proc/PID/fd this user may read)."""
+    target = os.path.realpath(path)
+    holders = []
+    for fd_dir in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            if any(os.readlink(fd) == target for fd in fd_dir.iterdir()):
+                holders.append(int(fd_dir.parent.name))
+        except OSError:  # another user's process, or one that ended meanwhile
+            continue
+    return sorted(holders)
+
+
 def _describe(lock: Path) -> str | None:
     try:
         age = time.time() - lock.stat().st_mtime
     except OSError:  # released meanwhile
         return None
-    return (f"waiting for the JIT build lock {lock} (age {age:.0f} s): a build killed before it finished leaves it "
-            "behind; delete it if no build is running")
+    holders = processes_holding(lock)
+    if holders:
+        return (f"waiting for the JIT build lock {lock} (age {age:.0f} s): held by the running build "
+                f"(pid {', '.join(map(str, holders))}); it is released when that build finishes")
+    return (f"waiting for the JIT build lock {lock} (age {age:.0f} s): no process on this host has it open, so a "
+            "build killed before it finished left it behind; delete it if no build is running")
 
 
 def warn_seconds() -> float:

@@ -29,14 +29,16 @@ from megatron_lite.training.deepspeed_config import BatchSizes, resolve_batch_si
 from megatron_lite.training.distributed import DistributedInfo, init_distributed
 from megatron_lite.training.engine import StagedEngine, start_engine
 from megatron_lite.training.reporting import StepReport
+from megatron_lite.training.run_lock import hold_run_dir
 from megatron_lite.training.schedule import run_learning_rate
 from megatron_lite.training.stages import Stage, plan_stages
 from megatron_lite.training.step import micro_batches, take_step
-from megatron_lite.training.stopping import CONTINUE, Action, Decision, StopPolicies, StopRequest
+from megatron_lite.training.stopping import CONTINUE, Action, Decision, StepEnd, StopPolicies, StopRequest
 
 EXIT_OK = 0
 EXIT_NONFINITE = 3
 EXIT_FAILED_SAVES = 4
+EXIT_SIGNAL_BASE = 128  # a one-process run stopped by signal N exits 128 + N, as a shell reports it
 
 
 @dataclass
@@ -50,20 +52,33 @@ class TrainingResult:
     skipped_steps: int
     stopped_by: str  # "completed" | "already_complete" | "signal" | "exit_interval" | "nonfinite" | "failed_saves"
     last_checkpoint: Path | None
+    # The signal that stopped a one-process run, exiting 128 + its number. None with several ranks: a rank exiting
+    # non-zero makes the deepspeed launcher kill the others' final work (it exits 1 on a signal anyway).
+    exit_signal: str | None = None
 
     @property
     def exit_code(self) -> int:
+        if self.exit_signal is not None:
+            return EXIT_SIGNAL_BASE + signal.Signals[self.exit_signal].value
         return {"nonfinite": EXIT_NONFINITE, "failed_saves": EXIT_FAILED_SAVES}.get(self.stopped_by, EXIT_OK)
 
 
 def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iters: int | None = None,
-                 verify_data: bool = False) -> TrainingResult:
+                 verify_data: bool = False, wait_for_lock: float = 0.0) -> TrainingResult:
     """Train ``config`` into ``run_dir``; see docs/training.md for everything it writes. ``verify_data``
-    checks every shard even where the cache's stamp says it was verified (train.py --verify-data)."""
+    checks every shard even where the cache's stamp says it was verified (train.py --verify-data);
+    ``wait_for_lock``: seconds to wait for another run holding ``run_dir`` (train.py --wait-for-lock)."""
+    stages = plan_stages(config.train)
+    train_iters = _staged_train_iters(stages, train_iters)  # ValueError before DeepSpeed starts
     dist_info = init_distributed()
     batch_sizes = resolve_batch_sizes(config, dist_info.world_size)  # ValueError before any work
-    stages = plan_stages(config.train)
-    train_iters = _staged_train_iters(stages, train_iters)
+    with hold_run_dir(run_dir, dist_info.is_main, dist_info.device, wait_for_lock):  # before anything is written
+        return _train(config, run_dir, dist_info, batch_sizes, stages, resume, train_iters, verify_data)
+
+
+def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_sizes: BatchSizes, stages: list[Stage],
+           resume: str, train_iters: int | None, verify_data: bool) -> TrainingResult:
+    """The run, once rank 0 holds the run dir's lock: data, engine, resume, the step loop, finish."""
     run_dir.mkdir(parents=True, exist_ok=True)
     data = prepare_training_data(config, batch_sizes, dist_info, train_iters, verify_data=verify_data)
     if stages:
@@ -116,7 +131,8 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
             if valid_loader is not None and train.eval_interval and (state.step % train.eval_interval == 0 or end.last):
                 result.val_loss = report.validation(staged.engine, valid_loader, state.step)
             saved = (save_checkpoint(staged.engine, run_dir, state, config, data.tokenizer_path, dist_info,
-                                     train.keep_last_checkpoints) if end.save else None)
+                                     train.keep_last_checkpoints, ending=_ending_at(end, stop.signal_name))
+                     if end.save else None)
             if saved is not None:
                 result.last_checkpoint = saved
                 if dist_info.is_main:
@@ -129,7 +145,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
             report.throughput.exclude_since(side_work_start)
             if decision.action is Action.STOP:
                 break
-    return _finish(result, decision, state, report, dist_info)
+    return _finish(result, decision, state, report, dist_info, stop.signal_name)
 
 
 def _staged_train_iters(stages: list[Stage], train_iters: int | None) -> int | None:
@@ -177,15 +193,31 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
                 "by the interrupted attempt (those steps are redone)")
 
 
+def _ending(stopped_by: str, signal_name: str | None) -> dict[str, str]:
+    """How a run ended, as its final checkpoint's COMPLETE marker and its last metrics.jsonl row record it."""
+    return {"stopped_by": stopped_by, **({"signal": signal_name} if stopped_by == "signal" and signal_name else {})}
+
+
+def _ending_at(end: StepEnd, signal_name: str | None) -> dict[str, str] | None:
+    """The ending a step's checkpoint records: a requested stop's, the final step's, else none."""
+    if end.requested_stop is not None:
+        return _ending(end.requested_stop.stopped_by, signal_name)
+    return _ending("completed", None) if end.last else None
+
+
 def _finish(result: TrainingResult, decision: Decision, state: TrainingState, report: StepReport,
-            dist_info: DistributedInfo) -> TrainingResult:
-    """The ended loop's result (why it stopped, if early; its counters) and rank 0's loss curve and summary."""
+            dist_info: DistributedInfo, signal_name: str | None) -> TrainingResult:
+    """The ended loop's result (why it stopped, if early; its counters), its last metrics row saying so
+    (``stopped_by``) and rank 0's loss curve and summary."""
     if decision.action is Action.STOP:
         if dist_info.is_main:
             console(decision.message)
         result.stopped_by = decision.stopped_by
         if decision.names_last_good:
             result.last_checkpoint = decision.last_good
+        if decision.stopped_by == "signal" and dist_info.world_size == 1:
+            result.exit_signal = signal_name
+    report.logger.log({"step": state.step, **_ending(result.stopped_by, signal_name)})
     report.close()
     result.steps, result.skipped_steps = state.step, state.skipped_steps
     if dist_info.is_main:

@@ -138,7 +138,9 @@ class MetricsLogger:
         with self.path.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
+            numbers = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+            if numbers:  # not the final row's stopped_by
+                self._wandb.log(numbers, step=row["step"])
 
     def close(self) -> None:
         if self._wandb is not None:

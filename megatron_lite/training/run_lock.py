@@ -1,0 +1,224 @@
+"""One run per run directory: rank 0 holds ``<run-dir>/run.lock`` for the whole run.
+
+The lock file is created atomically and whole (written to a private temp file, then ``os.link``ed to
+its name, which fails if the name exists: the classic NFS-safe way, where ``flock`` may not work, and
+no reader ever sees it half-written) and holds JSON naming its holder: host, pid, start time,
+heartbeat period and a run id. A thread refreshes its mtime every heartbeat period
+(``RUN_LOCK_HEARTBEAT_ENV`` seconds, default 30). A second run on the
+directory stops with one line naming the holder, unless the holder is gone: its pid is dead (same
+host), or its heartbeat is older than ``STALE_HEARTBEATS`` periods (another host: 120 s by default).
+Such a lock is taken over with a notice, race-safe: under a guard file (made the same way) the taker
+checks that the lock is still the one judged stale before replacing it by its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megatron_lite.console import notice
+
+LOCK_FILE = "run.lock"
+RUN_LOCK_HEARTBEAT_ENV = "MEGATRON_LITE_RUN_LOCK_HEARTBEAT_SECONDS"
+DEFAULT_HEARTBEAT_SECONDS = 30.0
+STALE_HEARTBEATS = 4  # a holder whose lock went this many periods without a heartbeat is gone
+POLL_SECONDS = 1.0  # how often --wait-for-lock looks again
+GUARD_STALE_SECONDS = 10.0  # a takeover takes milliseconds: a guard this old was left by a killed taker
+
+
+class RunDirLocked(ValueError):
+    """Another live run holds the run directory (a user error: one ``error:`` line)."""
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    host: str
+    pid: int
+    start: float  # time.time() when it took the lock
+    heartbeat_seconds: float
+    run_id: str
+    age: float  # seconds since its last heartbeat (the file's mtime)
+
+    def describe(self) -> str:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.start))
+        return (f"train.py pid {self.pid} on {self.host}, started {started}, last heartbeat {self.age:.0f} s ago")
+
+    def gone_because(self, host: str) -> str | None:
+        """Why the holder no longer runs (a dead pid on this host, a stale heartbeat elsewhere), else None."""
+        if self.host == host:
+            return None if _pid_alive(self.pid) else f"its process {self.pid} is gone"
+        if self.age > STALE_HEARTBEATS * self.heartbeat_seconds:
+            return f"no heartbeat for {self.age:.0f} s"
+        return None
+
+
+def heartbeat_seconds() -> float:
+    value = os.environ.get(RUN_LOCK_HEARTBEAT_ENV)
+    if not value:
+        return DEFAULT_HEARTBEAT_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0  # reported below, with the same message as a non-positive value
+    if not seconds > 0:
+        raise ValueError(f"{RUN_LOCK_HEARTBEAT_ENV}={value!r}: expected a positive number of seconds")
+    return seconds
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:  # a damaged lock's; os.kill would address a process group
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def read_holder(path: Path) -> LockHolder | None:
+    """The lock's holder; None when there is no lock file (released meanwhile)."""
+    try:
+        text = path.read_text()
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    try:
+        data: dict[str, Any] = json.loads(text)
+        return LockHolder(str(data["host"]), int(data["pid"]), float(data["start"]),
+                          float(data["heartbeat_seconds"]), str(data["run_id"]), time.time() - mtime)
+    except (ValueError, KeyError, TypeError):  # not ours, or damaged: nobody can be shown to hold it
+        return LockHolder("unknown host", -1, mtime, DEFAULT_HEARTBEAT_SECONDS, "", time.time() - mtime)
+
+
+class RunLock:
+    """The lock file ``path``, once taken: a heartbeat thread refreshes it until ``release``."""
+
+    def __init__(self, path: Path, run_id: str, period: float) -> None:
+        self.path, self.run_id, self.period = path, run_id, period
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def owned(self) -> bool:
+        holder = read_holder(self.path)
+        return holder is not None and holder.run_id == self.run_id
+
+    def _beat(self) -> None:
+        warned = False
+        while not self._done.wait(self.period):
+            if self.owned():
+                os.utime(self.path)
+            elif not warned:  # another run took it over (we looked dead to it): say so once
+                warned = True
+                notice(f"lost the run lock {self.path}: another run took it over; this run and that one now "
+                       "write to the same directory")
+
+    def release(self) -> None:
+        self._done.set()
+        self._thread.join()
+        if self.owned():
+            self.path.unlink(missing_ok=True)
+
+
+def _create(path: Path, run_id: str, period: float) -> bool:
+    """Make the lock file, whole, if none exists: a private temp file linked to ``path`` (atomic on NFS too)."""
+    temp = path.with_name(f".{path.name}.{run_id}")
+    record = {"host": socket.gethostname(), "pid": os.getpid(), "start": time.time(), "heartbeat_seconds": period,
+              "run_id": run_id}
+    temp.write_text(json.dumps(record) + "\n")
+    try:
+        os.link(temp, path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # NFS may report a link that was made (a retried request): the link count tells
+        return temp.stat().st_nlink == 2
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def _take_over(path: Path, stale: LockHolder, run_id: str, period: float) -> bool:
+    """Replace the stale lock by ours, one taker at a time (a guard file made like the lock): only a taker
+    holding the guard removes a lock, and only the one judged stale, so of racing takers exactly one wins."""
+    guard = path.with_name(f"{path.name}.takeover")
+    if not _create(guard, run_id, period):
+        guard_holder = read_holder(guard)
+        if guard_holder is not None and guard_holder.age > GUARD_STALE_SECONDS:  # a taker killed mid-takeover
+            guard.unlink(missing_ok=True)
+        time.sleep(0.05)  # another taker is at it
+        return False
+    try:
+        current = read_holder(path)
+        if current is None or current.run_id != stale.run_id:  # released or replaced meanwhile
+            return False
+        path.unlink()
+        return _create(path, run_id, period)
+    finally:
+        guard.unlink(missing_ok=True)
+
+
+def acquire(run_dir: Path, wait_seconds: float = 0.0, period: float | None = None) -> RunLock:
+    """Take ``run_dir``'s lock (making the directory); RunDirLocked naming the holder when a live run holds
+    it past ``wait_seconds``. A gone holder's lock is taken over with a notice."""
+    period = heartbeat_seconds() if period is None else period
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK_FILE
+    run_id = uuid.uuid4().hex
+    host = socket.gethostname()
+    deadline = time.monotonic() + wait_seconds
+    waiting = False
+    while True:
+        if _create(path, run_id, period):
+            return RunLock(path, run_id, period)
+        holder = read_holder(path)
+        if holder is None:  # released just now
+            continue
+        reason = holder.gone_because(host)
+        if reason is not None:
+            if _take_over(path, holder, run_id, period):
+                notice(f"taking over the run lock {path} of {holder.describe()}: {reason}")
+                return RunLock(path, run_id, period)
+            continue
+        if time.monotonic() >= deadline:
+            raise RunDirLocked(f"run dir {run_dir} is in use by {holder.describe()} ({path}); wait for it to end, "
+                               "or pass --wait-for-lock SECONDS")
+        if not waiting:
+            waiting = True
+            notice(f"waiting up to {wait_seconds:.0f} s for the run lock {path} held by {holder.describe()}")
+        time.sleep(min(POLL_SECONDS, max(0.0, deadline - time.monotonic())))
+
+
+@contextmanager
+def hold_run_dir(run_dir: Path, is_main: bool, device: Any, wait_seconds: float = 0.0) -> Iterator[None]:
+    """Rank 0 holds ``run_dir``'s lock for the body; every rank learns whether it got it, so a refused run
+    stops on all ranks (rank 0 raising the one line naming the holder) instead of hanging the others."""
+    from megatron_lite.training.distributed import all_reduce_sum
+
+    lock: RunLock | None = None
+    error: ValueError | None = None
+    if is_main:
+        try:
+            lock = acquire(run_dir, wait_seconds)
+        except ValueError as caught:
+            error = caught
+    refused = all_reduce_sum([0.0 if error is None else 1.0], device)[0]
+    if error is not None:
+        raise error
+    if refused:
+        raise RunDirLocked(f"run dir {run_dir}: rank 0 could not take its lock (see its message)")
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
