@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.checkpoint_integrity import (MANIFEST_FILE, FileRecord, Verification, record_file, safe_load,
