@@ -10,6 +10,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,12 +32,21 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert not different, f"tensors differ: {different}"
 
 
+def random_config(mix: Path, cache: Path, **train: Any) -> dict[str, Any]:
+    """``tiny_train_config`` whose every step draws random numbers (hidden and attention dropout 0.1) and
+    whose evaluations (every 2 steps) fall between the saves (every 4): an exact resume must restore every
+    stream a step draws from, and no data loader may draw from them."""
+    config = tiny_train_config(mix, cache, **{"eval_interval": 2, **train})
+    config["model"].update(hidden_dropout=0.1, attention_dropout=0.1)
+    return config
+
+
 @pytest.fixture(scope="module")
 def baseline(training_corpus, tmp_path_factory) -> Path:
-    """8 uninterrupted steps (checkpoints at 4 and 8), wandb offline."""
+    """8 uninterrupted steps with dropout (checkpoints at 4 and 8, evaluations every 2), wandb offline."""
     mix, cache = training_corpus
     root = tmp_path_factory.mktemp("baseline")
-    config = write_config(root / "config.yml", tiny_train_config(mix, cache, wandb={"mode": "offline"}))
+    config = write_config(root / "config.yml", random_config(mix, cache, wandb={"mode": "offline"}))
     run_train(config, root / "run")
     return root / "run"
 
@@ -49,7 +59,7 @@ def test_run_trains_and_writes_everything(baseline: Path) -> None:
     train_row = next(r for r in rows if r.get("loss") is not None)
     for key in ("step", "loss", "lr", "grad_norm", "tokens_per_sec", "memory_gb"):
         assert train_row[key] is not None, key
-    assert [r["step"] for r in rows if "val_loss" in r] == [4, 8]
+    assert [r["step"] for r in rows if "val_loss" in r] == [2, 4, 6, 8]
     assert (baseline / "loss_curve.png").stat().st_size > 1000
     assert (baseline / "wandb").is_dir()  # offline wandb files, no prompt, no network
     wandb_id = (baseline / "wandb_run_id").read_text().strip()  # a resume continues this wandb run
@@ -65,7 +75,7 @@ def test_run_trains_and_writes_everything(baseline: Path) -> None:
 
 def test_exact_resume_single_rank(training_corpus, baseline: Path, tmp_path: Path) -> None:
     mix, cache = training_corpus
-    config = write_config(tmp_path / "config.yml", tiny_train_config(mix, cache, exit_interval=4))
+    config = write_config(tmp_path / "config.yml", random_config(mix, cache, exit_interval=4))
     first = run_train(config, tmp_path / "run")
     assert "stopped by train.exit_interval at step 4" in first.stdout
     with (tmp_path / "run/metrics.jsonl").open("a") as metrics:  # what a full disk leaves: half a row
@@ -84,7 +94,7 @@ def test_bar_log_lines_and_summary_report_one_loss(training_corpus, baseline: Pa
     """log_interval=3: the bar, the log lines and the summary all show the mean loss of the last 3 steps
     (the baseline, identical but for its log_interval=1, gives each step's loss)."""
     mix, cache = training_corpus
-    config = write_config(tmp_path / "config.yml", tiny_train_config(mix, cache, log_interval=3))
+    config = write_config(tmp_path / "config.yml", random_config(mix, cache, log_interval=3))
     result = run_train(config, tmp_path / "run", progress_bar=True)
     per_step, logged = train_losses(baseline), train_losses(tmp_path / "run")
     assert sorted(logged) == [1, 3, 6, 8]  # every 3 steps, plus the first and the last
@@ -101,16 +111,19 @@ def test_bar_log_lines_and_summary_report_one_loss(training_corpus, baseline: Pa
 
 
 def test_two_ranks_zero2_trains_and_resumes_exactly(training_corpus, tmp_path: Path) -> None:
+    """With dropout: steps 1-4 without activation checkpointing, 5-8 resumed with it (its recompute replays
+    the same dropout masks), bitwise the run that never stopped."""
     mix, cache = training_corpus
     common = {"zero_stage": 2, "gradient_accumulation_steps": 1}
-    straight = write_config(tmp_path / "straight.yml", tiny_train_config(mix, cache, **common))
+    straight = write_config(tmp_path / "straight.yml", random_config(mix, cache, **common))
     run_train(straight, tmp_path / "straight", ranks=2)
     losses = train_losses(tmp_path / "straight")
     assert losses[8] < 0.85 * losses[1]
-    stepped = write_config(tmp_path / "stepped.yml", tiny_train_config(mix, cache, exit_interval=4, **common))
+    stepped = write_config(tmp_path / "stepped.yml", random_config(mix, cache, exit_interval=4, **common))
     run_train(stepped, tmp_path / "stepped", ranks=2)
     # warmup_start_lr only sets step 0's lr (warm-up is 1 step), so the trace stays exact; the change is a notice.
-    second = run_train(stepped, tmp_path / "stepped", "--set", "train.warmup_start_lr=2e-7", ranks=2)
+    second = run_train(stepped, tmp_path / "stepped", "--set", "train.warmup_start_lr=2e-7",
+                       "--set", "model.checkpoint_activations=true", ranks=2)
     assert "resumed from" in second.stdout
     output = second.stdout + second.stderr  # notices: once (rank 0), a console line; no messages that do not apply
     assert output.count("train.warmup_start_lr changed from 1e-07 to 2e-07") == 1
@@ -127,13 +140,13 @@ def test_two_ranks_zero2_trains_and_resumes_exactly(training_corpus, tmp_path: P
 def test_sigkill_while_saving_resumes_from_previous_checkpoint(training_corpus, baseline: Path, tmp_path: Path) -> None:
     mix, cache = training_corpus
     config = write_config(tmp_path / "config.yml",
-                          tiny_train_config(mix, cache, fault_injection={"kill_during_save_step": 8}))
+                          random_config(mix, cache, fault_injection={"kill_during_save_step": 8}))
     crashed = run_train(config, tmp_path / "run", check=False)
     assert crashed.returncode == -signal.SIGKILL
     checkpoints = tmp_path / "run" / checkpoint_dirs.CHECKPOINTS_DIR
     assert (checkpoints / "step_00000008").is_dir() and not checkpoint_dirs.is_complete(checkpoints / "step_00000008")
     assert checkpoint_dirs.latest_complete(checkpoints) == checkpoints / "step_00000004"
-    resumed = run_train(write_config(tmp_path / "config.yml", tiny_train_config(mix, cache)), tmp_path / "run")
+    resumed = run_train(write_config(tmp_path / "config.yml", random_config(mix, cache)), tmp_path / "run")
     assert "step_00000004" in resumed.stdout and "resumed from" in resumed.stdout
     # the killed run's lock stayed behind; its pid is dead, so the next run takes it over and says so
     assert re.search(r"warning: taking over the run lock \S+run\.lock of train\.py pid \d+ .*: its process \d+ is gone",
@@ -146,16 +159,22 @@ def test_sigkill_while_saving_resumes_from_previous_checkpoint(training_corpus, 
         [(r["step"], "val_loss" in r) for r in metrics(baseline)]
 
 
-def test_sigint_and_sigterm_write_a_final_checkpoint_and_exit_as_signalled(training_corpus, tmp_path: Path) -> None:
-    """Ctrl-C, then SIGTERM to the resumed run: each saves, records why it stopped (the checkpoint's marker, the
-    last metrics row) and exits 128 + the signal's number, so a script can tell a stop from a finished run."""
+def test_sigint_and_sigterm_write_a_final_checkpoint_exit_as_signalled_and_resume_exactly(training_corpus,
+                                                                                           tmp_path: Path) -> None:
+    """Ctrl-C, then SIGTERM to the resumed run (dropout, activation checkpointing, evaluations a run not stopped
+    there may not make): each saves, records why it stopped (the checkpoint's marker, the last metrics row) and
+    exits 128 + the signal's number; the final checkpoint at s, resumed to s + 2, gives that run's weights bitwise."""
     mix, cache = training_corpus
-    config = write_config(tmp_path / "config.yml", tiny_train_config(mix, cache, train_iters=5000, save_interval=0,
-                                                                     eval_interval=0))
+
+    def config(name: str, **train: Any) -> Path:
+        data = random_config(mix, cache, train_iters=5000, save_interval=0, **train)
+        data["model"]["checkpoint_activations"] = True
+        return write_config(tmp_path / f"{name}.yml", data)
+
     run_dir = tmp_path / "run"
     for signum, exit_code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
         logged = len(metrics(run_dir)) if (run_dir / "metrics.jsonl").is_file() else 0
-        process = subprocess.Popen(train_command(config, run_dir), text=True, stdout=subprocess.PIPE,
+        process = subprocess.Popen(train_command(config("signalled"), run_dir), text=True, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT)
         deadline = time.time() + 120
         while time.time() < deadline and not ((run_dir / "metrics.jsonl").is_file()
@@ -172,6 +191,11 @@ def test_sigint_and_sigterm_write_a_final_checkpoint_and_exit_as_signalled(train
         ending = {"stopped_by": "signal", "signal": signum.name}
         assert {key: marker.get(key) for key in ending} == ending
         assert metrics(run_dir)[-1] == {"step": marker["step"], **ending}
+    step = marker["step"]
+    run_train(config("signalled"), run_dir, "--set", f"train.exit_interval={step + 2}")
+    run_train(config("straight", exit_interval=step + 2), tmp_path / "straight")
+    tag = checkpoint_dirs.step_tag(step + 2)
+    assert_bitwise_equal(weights(run_dir / "checkpoints" / tag), weights(tmp_path / "straight/checkpoints" / tag))
 
 
 def test_sigterm_to_the_launchers_process_group_stops_both_ranks_at_one_step(training_corpus, tmp_path: Path) -> None:
@@ -234,7 +258,7 @@ def test_disk_full_saves_are_dropped_then_stop_the_run_and_resume_exactly(traini
     the partial step dirs removed, training goes on after the first and stops cleanly after 2 in a row."""
     mix, cache = training_corpus
     faults = {"disk_full_save_steps": [4, 6], "disk_full_bytes": 0}
-    config = write_config(tmp_path / "config.yml", tiny_train_config(
+    config = write_config(tmp_path / "config.yml", random_config(
         mix, cache, save_interval=2, max_consecutive_failed_saves=2, fault_injection=faults))
     failed = run_train(config, tmp_path / "run", check=False)
     output = failed.stdout + failed.stderr
@@ -246,7 +270,7 @@ def test_disk_full_saves_are_dropped_then_stop_the_run_and_resume_exactly(traini
     checkpoints = tmp_path / "run" / checkpoint_dirs.CHECKPOINTS_DIR
     assert sorted(path.name for path in checkpoints.iterdir() if path.is_dir()) == ["step_00000002"]
     assert (checkpoints / checkpoint_dirs.LATEST_FILE).read_text().strip() == "step_00000002"
-    resumed = run_train(write_config(tmp_path / "config.yml", tiny_train_config(mix, cache, save_interval=2)),
+    resumed = run_train(write_config(tmp_path / "config.yml", random_config(mix, cache, save_interval=2)),
                         tmp_path / "run")
     assert "resumed from" in resumed.stdout and "step_00000002" in resumed.stdout
     assert_bitwise_equal(weights(checkpoints / "step_00000008"), weights(baseline / "checkpoints/step_00000008"))
@@ -321,3 +345,29 @@ def test_init_from_starts_with_the_given_weights(training_corpus, baseline: Path
     assert "optimizer groups: decay " in result.stdout and "; no_decay " in result.stdout  # start-up line
     # Step 1 sees the same first batch as the baseline's step 1, now with trained weights.
     assert train_losses(tmp_path / "run")[1] < train_losses(baseline)[8] + 0.3 < train_losses(baseline)[1]
+
+
+def test_resume_checks_the_runs_identity(training_corpus, baseline: Path, tmp_path: Path) -> None:
+    """From the baseline's step 4: another position scheme stops in one short line; another tokenizer (a cache
+    whose SentencePiece model trained on fewer characters) stops naming both files, and with
+    train.allow_tokenizer_change trains on, metrics.jsonl recording the change."""
+    mix, cache = training_corpus
+    config = write_config(tmp_path / "config.yml", random_config(mix, cache))
+    step_4 = str(baseline / "checkpoints/step_00000004")
+    scheme = run_train(config, tmp_path / "run", "--resume", step_4, "--set", "model.position.scheme=rope", check=False)
+    errors = [line for line in scheme.stderr.splitlines() if line.startswith("error:")]
+    assert scheme.returncode == 2 and len(errors) == 1, scheme.stderr[-2000:]
+    assert "model.position.scheme: checkpoint 'coca', config 'rope'" in errors[0] and len(errors[0]) < 200
+
+    other = ["--set", f"data.cache_dir={tmp_path / 'cache'}", "--set", "data.tokenizer.sample_chars=60000"]
+    refused = run_train(config, tmp_path / "run", "--resume", step_4, *other, check=False)
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert refused.returncode == 2 and len(errors) == 1, refused.stderr[-2000:]
+    assert f"{step_4}/tokenizer.model" in errors[0] and f"{tmp_path / 'cache'}/tokenizer/tokenizer.model" in errors[0]
+    assert "train.allow_tokenizer_change=true" in errors[0]
+    allowed = run_train(config, tmp_path / "run", "--resume", step_4, *other, "--set",
+                        "train.allow_tokenizer_change=true")
+    assert "warning: train.allow_tokenizer_change: training on with another tokenizer" in allowed.stdout
+    change = next(row for row in metrics(tmp_path / "run") if "tokenizer_change" in row)
+    assert change["step"] == 4 and change["tokenizer_change"]["checkpoint"] == f"{step_4}/tokenizer.model"
+    assert sorted(train_losses(tmp_path / "run")) == [5, 6, 7, 8]

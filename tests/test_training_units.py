@@ -1,5 +1,5 @@
-"""In-process pieces of the training loop: resume compatibility notices, wandb fallback and run id, the
-loss every report shows, FLOPs."""
+"""In-process pieces of the training loop: resume compatibility notices, the run's identity (model and
+tokenizer), wandb fallback and run id, the loss every report shows, FLOPs, data loaders' own RNG."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ import pytest
 from megatron_lite import config as config_lib
 from megatron_lite.console import Notice
 from megatron_lite.model.params import analytic_parameter_count
+from megatron_lite.data.loader import sample_loader
+from megatron_lite.training import rng
 from megatron_lite.training.checkpointing import check_resume_compatible
+from megatron_lite.training.identity import tokenizer_change
 from megatron_lite.training.metrics import (WANDB_ID_FILE, LossWindow, MetricsLogger, drop_rows_after, loss_summary,
                                             model_flops_per_token, plot_loss_curve, read_metrics, wandb_run_id)
 
@@ -35,6 +38,70 @@ def test_shape_change_on_resume_is_refused(tmp_path: Path) -> None:
     step_dir = _saved_step_dir(tmp_path, [])
     with pytest.raises(ValueError, match=r"layers\.4\.attention\.query_key_value\.weight: checkpoint None"):
         check_resume_compatible(step_dir, config_lib.load("configs/tiny/rope.yml", ["model.num_layers=5"]))
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model.position.scheme=coca"], "model.position.scheme: checkpoint 'rope', config 'coca'"),
+    (["model.architecture=llama"], "model.architecture: checkpoint 'gpt_neox', config 'llama'"),
+    (["model.position.rotary_emb_base=500000"], "model.position.rotary_emb_base: checkpoint 10000.0, config 500000.0"),
+])
+def test_identity_change_on_resume_is_one_short_line(tmp_path: Path, overrides: list[str], expected: str) -> None:
+    step_dir = _saved_step_dir(tmp_path, [])
+    with pytest.raises(ValueError) as refused:
+        check_resume_compatible(step_dir, config_lib.load("configs/tiny/rope.yml", overrides))
+    message = str(refused.value)
+    assert expected in message and "\n" not in message and len(message) < 200, message
+
+
+def test_inference_scaling_change_on_resume_is_a_short_notice(tmp_path: Path) -> None:
+    step_dir = _saved_step_dir(tmp_path, [])
+    with pytest.warns(Notice) as caught:
+        check_resume_compatible(step_dir, config_lib.load("configs/tiny/rope.yml", ["model.position.scaling.type=yarn"]))
+    assert [str(w.message) for w in caught] == ["resuming with model.position.scaling.type changed from 'none' to 'yarn'"]
+
+
+def test_another_tokenizer_is_refused_naming_both_files_unless_allowed(tmp_path: Path) -> None:
+    checkpoint, run = tmp_path / "step_00000010", tmp_path / "cache"
+    checkpoint.mkdir()
+    run.mkdir()
+    (checkpoint / "tokenizer.model").write_bytes(b"pieces of the checkpoint")
+    (run / "tokenizer.model").write_bytes(b"pieces of the run")
+    with pytest.raises(ValueError) as refused:
+        tokenizer_change(checkpoint, run / "tokenizer.model", allowed=False, what=f"cannot resume from {checkpoint}")
+    message = str(refused.value)
+    assert str(checkpoint / "tokenizer.model") in message and str(run / "tokenizer.model") in message
+    assert "train.allow_tokenizer_change=true" in message and "\n" not in message
+    change = tokenizer_change(checkpoint, run / "tokenizer.model", allowed=True, what="")
+    assert change is not None and change.metrics_row(10)["tokenizer_change"]["run"] == str(run / "tokenizer.model")
+    (run / "tokenizer.model").write_bytes(b"pieces of the checkpoint")
+    assert tokenizer_change(checkpoint, run / "tokenizer.model", allowed=False, what="") is None
+    assert tokenizer_change(tmp_path, run / "tokenizer.model", allowed=False, what="") is None  # carries none
+
+
+def test_rng_state_round_trips_every_generator(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    from megatron_lite.checkpoint_integrity import safe_load
+
+    device = torch.device("cpu")
+    torch.save(rng.capture(device), tmp_path / "rng.pt")
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    rng.restore(safe_load(tmp_path / "rng.pt"), device)  # weights_only: plain tensors, ints and lists
+    drawn = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(drawn[0], expected[0]) and np.array_equal(drawn[1], expected[1]) and drawn[2] == expected[2]
+
+
+def test_iterating_a_loader_leaves_the_global_generator_alone() -> None:
+    import torch
+
+    loader = sample_loader(list(range(8)), 2, seed=11, rank=0, purpose="valid")
+    before = torch.get_rng_state()
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    next(iter(loader))
+    assert torch.equal(torch.get_rng_state(), before)
 
 
 def test_rows_logged_after_the_resumed_step_are_dropped(tmp_path: Path) -> None:

@@ -349,6 +349,11 @@ class TrainConfig:
         "megatron_lite output); optimizer, step and data position start fresh. Ignored when resuming.",
         default=None,
     )
+    allow_tokenizer_change: bool = _doc(
+        "Resume, or start from train.init_from, with a tokenizer (sha256) other than the checkpoint's: without "
+        "this the run stops naming both files; with it the run trains on, and metrics.jsonl records the change.",
+        default=False,
+    )
     train_iters: int | None = _doc(
         "Optimizer steps; null means derived from train_epochs over the data mix.", default=None
     )

@@ -4,7 +4,7 @@
                                               num_train_samples=iters * global_batch, num_valid_samples=...,
                                               rank=dp_rank, world_size=dp_size,
                                               consumed_samples=samples_seen_before_resume)
-    loader = torch.utils.data.DataLoader(train, batch_size=micro_batch, shuffle=False)
+    loader = sample_loader(train, micro_batch, seed=config.seed, rank=dp_rank, purpose="train")
 
 Each item is ``{"input_ids": (S,) int64, "labels": (S,) int64, "source": int, "group": int,
 "index": int}``: the sample's S+1 tokens split into inputs and next-token labels (already shifted:
@@ -16,10 +16,15 @@ Ranks: global sample k goes to data-parallel rank k % world_size, in order (vali
 that every rank's share has the same length: ``ValidationShare``). Resume: with
 ``consumed_samples=c`` (global, all ranks together) each rank continues at the first k >= c of
 its own, so the union of the ranks' streams is exactly the single-rank stream from c.
+
+Loaders (``sample_loader``) draw nothing from torch's global generator, which dropout draws from: each
+has its own generator, seeded from (seed, rank, purpose), so an iterator built on resume or at each
+evaluation leaves the training step's random stream exactly as it was.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from collections.abc import Sequence
@@ -29,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from megatron_lite.config import DataConfig, MixConfig
 from megatron_lite.console import notice
@@ -210,6 +215,29 @@ class ValidationShare(Dataset):
             return self.dataset[k]
         item = self.dataset[k - len(self.dataset)]
         return {**item, "labels": torch.full_like(item["labels"], IGNORE_INDEX), "index": -1}
+
+
+def loader_generator(seed: int, rank: int, purpose: str) -> torch.Generator:
+    """A loader's own generator: each iterator draws its base seed (its workers' seeds) from it, never from
+    torch's global generator. Seeded from (seed, rank, purpose), so every run and resume draws the same."""
+    digest = hashlib.sha256(f"{seed}/{rank}/{purpose}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def seed_worker(worker_id: int) -> None:
+    """numpy's generator in a loader worker, from the seed torch gave the worker (torch seeds its own and
+    Python's ``random`` there)."""
+    np.random.seed(torch.initial_seed() % 2**32)
+
+
+def sample_loader(dataset: Dataset, batch_size: int, *, seed: int, rank: int, purpose: str,
+                  num_workers: int = 0, drop_last: bool = True) -> DataLoader:
+    """Batches of ``dataset`` in order (the blend index fixed the order), complete batches only unless
+    ``drop_last`` is off; iterating it draws from its own generator (``loader_generator``), never from the
+    global one."""
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=drop_last, num_workers=num_workers,
+                      persistent_workers=False, worker_init_fn=seed_worker if num_workers else None,
+                      generator=loader_generator(seed, rank, purpose))
 
 
 def _is_index_builder(rank: int) -> bool:

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.checkpoint_integrity import (MANIFEST_FILE, FileRecord, Verification, record_file, safe_load,
@@ -30,6 +28,7 @@ from megatron_lite.checkpoint_integrity import (MANIFEST_FILE, FileRecord, Verif
 from megatron_lite.config import Config
 from megatron_lite.console import notice
 from megatron_lite.files import write_text_atomic
+from megatron_lite.training import identity, rng
 from megatron_lite.training.distributed import DistributedInfo, all_gather_objects, all_reduce_sum, barrier
 from megatron_lite.weights import expected_shapes
 
@@ -58,13 +57,6 @@ class TrainingState:
 
 def _rng_file(step_dir: Path, rank: int) -> Path:
     return step_dir / f"rng_state_rank{rank:05d}.pt"
-
-
-def _rng_state() -> dict[str, torch.Tensor]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
 
 
 @contextmanager
@@ -124,7 +116,8 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Co
             engine.save_checkpoint(str(checkpoints), tag=tag, client_state=state.to_client_state(), save_latest=False)
             if writer.error is not None:
                 raise writer.error
-            records = [*writer.written, save_hashed(_rng_state(), _rng_file(step_dir, dist_info.rank), dist_info.rank)]
+            records = [*writer.written, save_hashed(rng.capture(dist_info.device), _rng_file(step_dir, dist_info.rank),
+                                                     dist_info.rank)]
             if faults.kill_during_save_step == state.step:
                 os.kill(os.getpid(), signal.SIGKILL)
     except Exception as caught:  # torch.save raises RuntimeError on a full disk: any failure counts
@@ -214,8 +207,14 @@ def _note_unverified(step_dir: Path, result: Verification, dist_info: Distribute
 
 
 def check_resume_compatible(step_dir: Path, config: Config) -> None:
-    """ValueError listing every tensor whose shape differs; notices for schedule changes."""
+    """ValueError naming (one short line) each change of the model's identity (identity.IDENTITY_KEYS), else
+    every tensor whose shape differs; notices for other position settings and schedule changes."""
     saved = config_lib.load(step_dir / checkpoint_dirs.CONFIG_FILE)
+    changes = identity.model_changes(saved.model, config.model)
+    refused = identity.identity_changes(changes)
+    if refused:
+        raise ValueError(f"cannot resume: {'; '.join(refused)} (a run keeps its model; start a new run dir from "
+                         "its weights with train.init_from)")
     old, new = expected_shapes(saved.model), expected_shapes(config.model)
     names = list(new) + [name for name in old if name not in new]  # model order: embed_in first
     problems = [f"{name}: checkpoint {old.get(name)} vs config {new.get(name)}"
@@ -223,42 +222,38 @@ def check_resume_compatible(step_dir: Path, config: Config) -> None:
     if problems:
         raise ValueError(f"cannot resume from {step_dir}: model shape differs from the config "
                          f"({len(problems)} tensors): " + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
-    if saved.model.position != config.model.position:
-        notice(f"resuming {step_dir} with a different model.position: {saved.model.position} -> "
-               f"{config.model.position}")
+    for key, before, after in changes:
+        if key.startswith("model.position."):
+            notice(f"resuming with {key} changed from {before!r} to {after!r}")
     for key in SCHEDULE_KEYS:
         before, after = getattr(saved.train, key), getattr(config.train, key)
         if before != after:
             notice(f"resuming with train.{key} changed from {before} to {after}; the schedule follows the new value")
 
 
-def load_training_state(engine: Any, step_dir: Path, dist_info: DistributedInfo) -> TrainingState:
-    """Model, optimizer, counters and this rank's RNG state from a complete checkpoint."""
+def load_training_state(engine: Any, step_dir: Path) -> TrainingState:
+    """Model, optimizer and counters from a complete checkpoint (its RNG state: ``restore_rng_state``)."""
     path, client_state = engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name, load_optimizer_states=True,
                                                 load_lr_scheduler_states=False)
     if path is None or client_state is None:
         raise ValueError(f"DeepSpeed could not load the checkpoint {step_dir}")
-    state = TrainingState.from_client_state(client_state)
-    _restore_rng(step_dir, dist_info)
-    return state
+    return TrainingState.from_client_state(client_state)
 
 
-def load_counters(step_dir: Path, dist_info: DistributedInfo) -> TrainingState:
-    """Counters (from the COMPLETE marker) and this rank's RNG state, without DeepSpeed's model/optimizer
-    state: a stage that starts from the checkpoint of the previous stage's last step takes only these."""
+def load_counters(step_dir: Path) -> TrainingState:
+    """Counters (from the COMPLETE marker), without DeepSpeed's model/optimizer state: a stage that starts
+    from the checkpoint of the previous stage's last step takes only these (and the RNG state)."""
     marker = checkpoint_dirs.read_complete_marker(step_dir)
     fields = {name: marker[name] for name in TrainingState.__dataclass_fields__ if name in marker}
-    _restore_rng(step_dir, dist_info)
     return TrainingState(**fields)
 
 
-def _restore_rng(step_dir: Path, dist_info: DistributedInfo) -> None:
+def restore_rng_state(step_dir: Path, dist_info: DistributedInfo) -> None:
+    """This rank's RNG state as saved at the checkpoint's step boundary; called last before the first step,
+    so nothing set-up draws (engine, data, wandb) moves the streams that step draws from."""
     rng_file = _rng_file(step_dir, dist_info.rank)
     if rng_file.is_file():
-        rng = safe_load(rng_file)
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        rng.restore(safe_load(rng_file), dist_info.device)
     missing = all_reduce_sum([0.0 if rng_file.is_file() else 1.0], dist_info.device)[0]
     if missing and dist_info.is_main:  # counted over ranks: notices print on rank 0 only
         notice(f"{step_dir}: no RNG state for {int(missing)} of {dist_info.world_size} rank(s) (saved with another "

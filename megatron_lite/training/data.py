@@ -10,7 +10,7 @@ from pathlib import Path
 from torch.utils.data import DataLoader
 
 from megatron_lite.config import Config, MixConfig
-from megatron_lite.data.loader import build_train_valid_datasets
+from megatron_lite.data.loader import build_train_valid_datasets, sample_loader
 from megatron_lite.data.manifest import Manifest, load_manifest
 from megatron_lite.data.mix import load_mix
 from megatron_lite.data.tokenizer import check_document_mask
@@ -35,11 +35,11 @@ class TrainingData:
         train_set, valid_set = build_train_valid_datasets(
             config.data, config.model.seq_length, self.manifest, self.total_steps * batch.global_batch_size, num_valid,
             rank=dist_info.rank, world_size=dist_info.world_size, consumed_samples=consumed_samples, mix=self.mix)
-        train_loader = DataLoader(train_set, batch_size=batch.micro_batch_size, shuffle=False, drop_last=True,
-                                  num_workers=train.num_workers, persistent_workers=False)
+        common = {"batch_size": batch.micro_batch_size, "seed": config.seed, "rank": dist_info.rank}
+        train_loader = sample_loader(train_set, **common, purpose="train", num_workers=train.num_workers)
         # every rank's share has the same length (padded), so the same number of batches, the last maybe short
-        valid_loader = None if valid_set is None else DataLoader(valid_set, batch_size=batch.micro_batch_size,
-                                                                 shuffle=False, drop_last=False)
+        valid_loader = (None if valid_set is None else
+                        sample_loader(valid_set, **common, purpose="valid", drop_last=False))
         return train_loader, valid_loader
 
 

@@ -18,16 +18,18 @@ from typing import Any
 from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
-from megatron_lite.console import console
+from megatron_lite.console import console, notice
 from megatron_lite.model.params import counted_parameter_count
 from megatron_lite.training import metrics as metrics_lib
 from megatron_lite.training.checkpointing import (
-    TrainingState, check_resume_compatible, find_resume_checkpoint, load_counters, load_training_state, save_checkpoint,
+    TrainingState, check_resume_compatible, find_resume_checkpoint, load_counters, load_training_state, restore_rng_state,
+    save_checkpoint,
 )
 from megatron_lite.training.data import TrainingData, prepare_training_data
 from megatron_lite.training.deepspeed_config import BatchSizes, resolve_batch_sizes
 from megatron_lite.training.distributed import DistributedInfo, init_distributed
 from megatron_lite.training.engine import StagedEngine, start_engine
+from megatron_lite.training.identity import TokenizerChange, tokenizer_change
 from megatron_lite.training.reporting import StepReport
 from megatron_lite.training.run_lock import hold_run_dir
 from megatron_lite.training.schedule import run_learning_rate
@@ -94,12 +96,18 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
         marker = checkpoint_dirs.read_complete_marker(resume_dir)
         if marker["step"] >= data.total_steps:
             return _already_complete(run_dir, resume_dir, marker, data.total_steps, dist_info)
+    changed_tokenizer = _tokenizer_change(config, resume_dir, data.tokenizer_path)
     staged, weights_only = start_engine(config, batch_sizes, dist_info, stages, resume_dir, marker)
     state = _starting_state(staged, resume_dir, weights_only, data.total_steps)
     train_loader, valid_loader = data.loaders(config, batch_sizes, dist_info, state.consumed_samples)
     logger = metrics_lib.MetricsLogger(config, run_dir, enabled=dist_info.is_main, start_step=state.step)
     if dist_info.is_main:
         _announce(config, batch_sizes, data, staged, run_dir, resume_dir, state, logger.dropped_rows)
+    if changed_tokenizer is not None:
+        logger.log(changed_tokenizer.metrics_row(state.step))
+        if dist_info.is_main:
+            notice(f"train.allow_tokenizer_change: training on with another tokenizer: the checkpoint's "
+                   f"{changed_tokenizer.describe()}")
 
     result = TrainingResult(run_dir, state.step, data.total_steps, None, None, None, state.skipped_steps, "completed",
                             resume_dir)
@@ -109,6 +117,8 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     report = StepReport(logger, config, batch_sizes, dist_info, state.step, data.total_steps)
     injected = set(train.fault_injection.nonfinite_loss_steps)
     iterator = iter(train_loader)
+    if resume_dir is not None:
+        restore_rng_state(resume_dir, dist_info)
     decision = CONTINUE
     with StopRequest() as stop:
         while state.step < data.total_steps:
@@ -158,6 +168,18 @@ def _staged_train_iters(stages: list[Stage], train_iters: int | None) -> int | N
     return total
 
 
+def _tokenizer_change(config: Config, resume_dir: Path | None, run_tokenizer: Path) -> TokenizerChange | None:
+    """The tokenizer of the checkpoint the run continues from (its resume, else train.init_from's) against
+    the run's: None when the same; ValueError unless train.allow_tokenizer_change (identity.tokenizer_change)."""
+    allowed = config.train.allow_tokenizer_change
+    if resume_dir is not None:
+        return tokenizer_change(resume_dir, run_tokenizer, allowed, f"cannot resume from {resume_dir}")
+    if config.train.init_from:
+        source = checkpoint_dirs.resolve_checkpoint(config.train.init_from)
+        return tokenizer_change(source, run_tokenizer, allowed, f"train.init_from={config.train.init_from}")
+    return None
+
+
 def _with_train_iters(config: Config, total_steps: int) -> Config:
     """A copy of ``config`` whose train.train_iters is the run's resolved step count; ``config`` stays as validated."""
     return dataclasses.replace(config, train=dataclasses.replace(config.train, train_iters=total_steps))
@@ -166,11 +188,10 @@ def _with_train_iters(config: Config, total_steps: int) -> Config:
 def _starting_state(staged: StagedEngine, resume_dir: Path | None, weights_only: bool, total_steps: int
                     ) -> TrainingState:
     """Fresh counters, or the checkpoint's: with DeepSpeed's model and optimizer state, or (at a stage's start)
-    the counters and RNG state only."""
+    the counters only."""
     state = TrainingState(total_steps=total_steps)
     if resume_dir is not None:
-        state = (load_counters(resume_dir, staged.dist_info) if weights_only
-                 else load_training_state(staged.engine, resume_dir, staged.dist_info))
+        state = load_counters(resume_dir) if weights_only else load_training_state(staged.engine, resume_dir)
         state.total_steps = total_steps
     state.stage = staged.stage_index
     return state
