@@ -1,5 +1,6 @@
 """Data verification (data/verify.py): real faults in real shards made by the real preprocessing: a
-flipped byte, an out-of-range token id; the stamp that makes it once per shard set; --verify-data."""
+flipped byte, an out-of-range token id; the stamp that makes it once per shard set; --verify-data; the
+loader's own check of every sample (data/loader.py) for a byte flipped after the stamp."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from megatron_lite import config as config_lib
 from megatron_lite.data.indexed import IndexedDataset
+from megatron_lite.data.loader import SampleTokenError, build_train_valid_datasets
 from megatron_lite.data.manifest import Manifest, ShardRecord, load_manifest, save_manifest
 from megatron_lite.data.verify import (ShardVerificationError, ensure_verified, stamp_path, unverified_shards,
                                        verify_shards)
@@ -37,9 +39,9 @@ def _first_shard(cache: Path) -> tuple[Manifest, ShardRecord, Path]:
     return manifest, shard, cache / (shard.prefix + ".bin")
 
 
-def _flip_byte(path: Path, offset: int) -> None:
+def _flip_byte(path: Path, offset: int, bit: int = 0x01) -> None:
     data = bytearray(path.read_bytes())
-    data[offset] ^= 0x01
+    data[offset] ^= bit
     path.write_bytes(bytes(data))
 
 
@@ -114,6 +116,35 @@ def test_training_data_verifies_once_and_verify_data_forces(corpus: tuple[Path, 
     with pytest.raises(ShardVerificationError) as error:
         prepare_training_data(config, batch, rank0, None, verify_data=True)
     assert _one_line(error).startswith(f"{bin_path}: sha256 differs from the manifest")
+
+
+@pytest.mark.parametrize("workers", [0, 1], ids=["in_process", "worker_process"])
+def test_byte_flipped_after_the_stamp_stops_the_loader_naming_shard_and_document(corpus: tuple[Path, Path],
+                                                                                   workers: int) -> None:
+    """The stamp vouches for the shard, so nothing re-reads it before training: the loader's per-sample check
+    finds the id (one line through a DataLoader worker too), instead of an IndexError in the embedding."""
+    mix, cache = corpus
+    config = config_lib.from_dict(tiny_train_config(mix, cache))
+    config.data.validation_fraction = 0.0  # every document in the training stream
+    manifest, shard, bin_path = _first_shard(cache)
+    assert unverified_shards(cache, manifest) == []  # stamped at preprocessing
+    sizes = IndexedDataset(cache / shard.prefix).sizes.astype(np.int64)  # (documents,) one sequence each
+    position = int(sizes.sum()) // 2
+    document = int(np.searchsorted(np.cumsum(sizes), position, side="right"))
+    original = int(np.fromfile(bin_path, dtype="<u2")[position])  # vocab 384: uint16 shards
+    _flip_byte(bin_path, 2 * position + 1, bit=0x40)  # one bit of the high byte: id + 2**14
+    assert unverified_shards(cache, load_manifest(cache)) == []  # the stamp still vouches for it
+
+    total_tokens = sum(record.tokens for record in manifest.sources.values())
+    train, _ = build_train_valid_datasets(config.data, config.model.seq_length, manifest,
+                                          2 * total_tokens // config.model.seq_length, 0)  # > 1 epoch of each source
+    loader = torch.utils.data.DataLoader(train, batch_size=16, num_workers=workers)
+    with pytest.raises(SampleTokenError) as error:
+        for _ in loader:
+            pass
+    vocab = manifest.tokenizer.vocab_size
+    assert _one_line(error).startswith(f"{bin_path}: document {document} holds token id {original + 2**14}, "
+                                       f"outside the vocabulary [0, {vocab}) (sample ")
 
 
 @pytest.mark.slow
