@@ -323,9 +323,10 @@ class IndexedDataset:
             raise self._fail(
                 bin_, f"{problem}: {bin_size} bytes, index declares {self.num_tokens} tokens x {itemsize} = {want}"
             )
-        # mmap refuses empty files; an empty .bin (no tokens) gets an empty array instead.
+        # mmap refuses empty files; an empty .bin (no tokens) gets an empty array instead. A plain ndarray
+        # view of the memmap (its base keeps the mapping open): slicing a np.memmap costs ~2 us, a view ~0.1 us.
         self._tokens: np.ndarray = (
-            np.memmap(bin_, dtype=self.dtype, mode="r") if want else np.empty(0, dtype=self.dtype)
+            np.memmap(bin_, dtype=self.dtype, mode="r").view(np.ndarray) if want else np.empty(0, dtype=self.dtype)
         )  # (num_tokens,)
 
     # -- access ---------------------------------------------------------------------------
@@ -346,7 +347,7 @@ class IndexedDataset:
         return i
 
     def __getitem__(self, i: int) -> np.ndarray:
-        """Tokens of sequence i, shape (sizes[i],); a memmap view, no copy."""
+        """Tokens of sequence i, shape (sizes[i],); a view of the .bin mapping, no copy."""
         return self.get(i)
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:

@@ -126,6 +126,7 @@ class BlendedDataset(Dataset):
         self.blend_source: np.ndarray = index.arrays["blend_source"]  # (N,) source id of each sample
         self._blend_sample: np.ndarray = index.arrays["blend_sample"]  # (N,) index within the source
         self._shards: list[tuple[list[IndexedDataset], np.ndarray]] | None = None  # opened lazily
+        self._signed: list[bool] = []  # per source: a signed shard dtype, so negative ids are possible
 
     def __len__(self) -> int:
         return int(self.blend_source.shape[0])
@@ -146,15 +147,12 @@ class BlendedDataset(Dataset):
         """The shard holding ``document`` of ``source`` and the document's index within it."""
         if self._shards is None:
             self._shards = self._open_shards()
+            self._signed = [any(shard.dtype.kind == "i" for shard in shards) for shards, _ in self._shards]
         shards, first_document = self._shards[source]
         if len(shards) == 1:
             return shards[0], document
         shard = int(np.searchsorted(first_document, document, side="right")) - 1
         return shards[shard], document - int(first_document[shard])
-
-    def _document(self, source: int, document: int) -> np.ndarray:
-        shard, local = self._locate(source, document)
-        return shard.document(local)
 
     def _bad_id_error(self, k: int, source: int, documents: list[int], pieces: list[np.ndarray]) -> SampleTokenError:
         """The error for sample k, naming the first of its documents with an id outside the vocabulary."""
@@ -182,14 +180,16 @@ class BlendedDataset(Dataset):
         needed, pieces, documents = self.seq_length + 1, [], []
         while needed > 0:
             document = int(doc_order[position])
-            piece = self._document(source, document)[offset : offset + needed]
+            shard, local = self._locate(source, document)
+            piece = shard.document(local)[offset : offset + needed]
             pieces.append(piece)
             documents.append(document)
             needed -= len(piece)
             position, offset = position + 1, 0
         sample = (pieces[0] if len(pieces) == 1 else np.concatenate(pieces)).astype(np.int64)  # (S+1,)
-        # As unsigned, a negative id is huge: one max catches both ends of the range.
-        if int(sample.view(np.uint64).max()) >= self.vocab_size:
+        # argmax + item: ~0.5 us against ~2 us for max() on a sample this small (numpy's reduce overhead)
+        if sample.item(sample.argmax()) >= self.vocab_size or (
+                self._signed[source] and sample.item(sample.argmin()) < 0):
             raise self._bad_id_error(k, source, documents, pieces)
         return sample
 
