@@ -14,7 +14,7 @@ import torch
 
 from megatron_lite import config as config_lib
 from megatron_lite.data.indexed import IndexedDataset
-from megatron_lite.data.loader import SampleTokenError, build_train_valid_datasets
+from megatron_lite.data.loader import SampleTokenError, build_train_valid_datasets, data_report
 from megatron_lite.data.manifest import Manifest, ShardRecord, load_manifest, save_manifest
 from megatron_lite.data.verify import (ShardVerificationError, ensure_verified, stamp_path, unverified_shards,
                                        verify_shards)
@@ -147,19 +147,42 @@ def test_byte_flipped_after_the_stamp_stops_the_loader_naming_shard_and_document
                                        f"outside the vocabulary [0, {vocab}) (sample ")
 
 
+def _first_training_sample(cache: Path, config: config_lib.Config) -> tuple[Path, int, int]:
+    """(shard .bin, token position, document in the shard) where training's first sample starts, found by
+    its first 8 ids (the sample order is prefix-stable: sample 0 is the same for any run length)."""
+    manifest = load_manifest(cache)
+    first = np.array(data_report(config.data, config.model.seq_length, manifest, 1)["sample"]["input_ids"][:8])
+    for shard in (shard for record in manifest.sources.values() for shard in record.shards):
+        bin_path = cache / (shard.prefix + ".bin")
+        windows = np.lib.stride_tricks.sliding_window_view(np.fromfile(bin_path, dtype="<u2"), len(first))
+        hits = np.flatnonzero((windows == first).all(axis=1))
+        if hits.size:
+            ends = np.cumsum(IndexedDataset(cache / shard.prefix).sizes.astype(np.int64))  # (documents,)
+            return bin_path, int(hits[0]), int(np.searchsorted(ends, hits[0], side="right"))
+    raise AssertionError("training's first sample is in no shard")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["flipped_byte", "token_id"])
+@pytest.mark.parametrize("fault", ["flipped_byte", "token_id", "flipped_after_stamp"])
 def test_train_py_reports_a_bad_shard_in_one_line(fault: str, corpus: tuple[Path, Path], tmp_path: Path) -> None:
     mix, cache = corpus
     vocab = load_manifest(cache).tokenizer.vocab_size
     if fault == "flipped_byte":
         bin_path, extra, problem = _first_shard(cache)[2], ["--verify-data"], "sha256 differs from the manifest"
         _flip_byte(bin_path, 9)
+    elif fault == "flipped_after_stamp":  # nothing re-reads a stamped shard: the loader finds it at step 1
+        bin_path, position, document = _first_training_sample(cache, config_lib.from_dict(tiny_train_config(mix, cache)))
+        _flip_byte(bin_path, 2 * position + 1, bit=0x40)
+        extra, problem = [], f"document {document} holds token id"
     else:  # a changed manifest entry is verified without --verify-data
         bin_path, extra, problem = _write_token(cache, 2, vocab), [], f"token id {vocab} at position 2"
     config = write_config(tmp_path / "run.yml", tiny_train_config(mix, cache))
     result = run_train(config, tmp_path / "run", *extra, check=False)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
+    if fault == "flipped_after_stamp":  # found in step 1: the progress bar's line (redrawn after \r) ends first
+        bar = [line for line in lines if line.startswith("train:")]
+        assert bar and lines[:len(bar)] == bar and "error:" not in "".join(bar), result.stderr
+        lines = lines[len(bar):]
     assert len(lines) == 1 and lines[0].startswith(f"error: {bin_path}: {problem}"), result.stderr
     assert "Traceback" not in result.stdout + result.stderr

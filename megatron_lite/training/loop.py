@@ -95,7 +95,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
     injected = set(train.fault_injection.nonfinite_loss_steps)
     iterator = iter(train_loader)
     decision = CONTINUE
-    with StopRequest() as stop:
+    with StopRequest() as stop, report.closed_on_error():
         while state.step < data.total_steps:
             lr = run_learning_rate(state.step, data.total_steps, train)
             outcome = take_step(staged, micro_batches(iterator, batch_sizes.gradient_accumulation_steps), lr,
