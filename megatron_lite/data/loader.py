@@ -13,7 +13,7 @@ its source and group (names in ``dataset.source_names`` / ``dataset.group_names`
 shares, and its global sample index.
 
 Token ids: every sample is checked on the host against the tokenizer's vocabulary size (the
-manifest's, not the padded embedding size): one vectorised max over its S+1 ids (< 2% of loader
+manifest's, not the padded embedding size): one vectorised argmax over its S+1 ids (< 2% of loader
 throughput, docs/data.md). A shard changed after data/verify.py stamped it (a flipped byte) is a
 ``SampleTokenError`` naming the shard and the document, not an ``IndexError`` in the embedding.
 
@@ -154,6 +154,10 @@ class BlendedDataset(Dataset):
         shard = int(np.searchsorted(first_document, document, side="right")) - 1
         return shards[shard], document - int(first_document[shard])
 
+    def _document(self, source: int, document: int) -> np.ndarray:
+        shard, local = self._locate(source, document)
+        return shard.document(local)
+
     def _bad_id_error(self, k: int, source: int, documents: list[int], pieces: list[np.ndarray]) -> SampleTokenError:
         """The error for sample k, naming the first of its documents with an id outside the vocabulary."""
         for document, piece in zip(documents, pieces):
@@ -180,8 +184,7 @@ class BlendedDataset(Dataset):
         needed, pieces, documents = self.seq_length + 1, [], []
         while needed > 0:
             document = int(doc_order[position])
-            shard, local = self._locate(source, document)
-            piece = shard.document(local)[offset : offset + needed]
+            piece = self._document(source, document)[offset : offset + needed]
             pieces.append(piece)
             documents.append(document)
             needed -= len(piece)
