@@ -214,8 +214,9 @@ def test_full_disk_is_one_line_naming_the_file_and_leaves_no_temporary(tmp_path:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
         signal.signal(signal.SIGXFSZ, previous)
-    assert str(error.value) == (f"{tmp_path / 'full.bin'}: no room to write (File too large): the file system is full "
-                                "or a quota or file-size limit applies; free space and re-run (no partial file is left)")
+    assert str(error.value) == (f"{tmp_path / 'full.bin'}: no room to write (File too large): the file system is "
+                                "full or a quota or file-size limit applies; free space and re-run (no partial file "
+                                "is left)")
     assert os.listdir(tmp_path) == []
 
 

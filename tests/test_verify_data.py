@@ -129,8 +129,8 @@ def test_byte_flipped_after_the_stamp_stops_the_loader_naming_shard_and_document
     manifest, shard, bin_path = _first_shard(cache)
     assert unverified_shards(cache, manifest) == []  # stamped at preprocessing
     sizes = IndexedDataset(cache / shard.prefix).sizes.astype(np.int64)  # (documents,) one sequence each
-    position = int(sizes.sum()) // 2
-    document = int(np.searchsorted(np.cumsum(sizes), position, side="right"))
+    document = len(sizes) // 2
+    position = int(sizes[:document].sum())  # its first token: the first sample to read it starts in another document
     original = int(np.fromfile(bin_path, dtype="<u2")[position])  # vocab 384: uint16 shards
     _flip_byte(bin_path, 2 * position + 1, bit=0x40)  # one bit of the high byte: id + 2**14
     assert unverified_shards(cache, load_manifest(cache)) == []  # the stamp still vouches for it
@@ -171,7 +171,8 @@ def test_train_py_reports_a_bad_shard_in_one_line(fault: str, corpus: tuple[Path
         bin_path, extra, problem = _first_shard(cache)[2], ["--verify-data"], "sha256 differs from the manifest"
         _flip_byte(bin_path, 9)
     elif fault == "flipped_after_stamp":  # nothing re-reads a stamped shard: the loader finds it at step 1
-        bin_path, position, document = _first_training_sample(cache, config_lib.from_dict(tiny_train_config(mix, cache)))
+        run_config = config_lib.from_dict(tiny_train_config(mix, cache))
+        bin_path, position, document = _first_training_sample(cache, run_config)
         _flip_byte(bin_path, 2 * position + 1, bit=0x40)
         extra, problem = [], f"document {document} holds token id"
     else:  # a changed manifest entry is verified without --verify-data

@@ -158,15 +158,17 @@ class BlendedDataset(Dataset):
         """The error for sample k, naming the document of its first id outside the vocabulary (found by walking
         the sample's documents again: this runs once, the walk in ``tokens`` stays lean)."""
         at = int(np.flatnonzero((sample < 0) | (sample >= self.vocab_size))[0])  # position in the sample
+        bad = int(sample[at])
         doc_order = self.index.arrays[f"doc_order_{source}"]
         position, offset = (int(v) for v in self.index.arrays[f"sample_idx_{source}"][int(self._blend_sample[k])])
-        shard, local = self._locate(source, int(doc_order[position]))
-        while at >= len(shard.document(local)) - offset:  # not in this document's part of the sample
-            at -= len(shard.document(local)) - offset
-            position, offset = position + 1, 0
+        while True:
             shard, local = self._locate(source, int(doc_order[position]))
+            length = len(shard.document(local)) - offset  # the document's tokens from where the sample reads it
+            if at < length:
+                break
+            at, position, offset = at - length, position + 1, 0
         return SampleTokenError(
-            f"{shard.bin_path}: document {local} holds token id {int(sample[at])}, outside the vocabulary [0, {self.vocab_size}) "
+            f"{shard.bin_path}: document {local} holds token id {bad}, outside the vocabulary [0, {self.vocab_size}) "
             f"(sample {k}, source {self.source_names[source]}): the shard changed after it was verified; run "
             "train.py --verify-data, then re-run preprocessing with --force or restore the file")
 
@@ -185,7 +187,7 @@ class BlendedDataset(Dataset):
             needed -= len(piece)
             position, offset = position + 1, 0
         sample = (pieces[0] if len(pieces) == 1 else np.concatenate(pieces)).astype(np.int64)  # (S+1,)
-        # argmax + item: ~0.5 us against ~2 us for max() on a sample this small (numpy's reduce overhead)
+        # argmax + item: ~0.25 us against ~1.7 us for max() on a sample this small (numpy's reduce overhead)
         if sample.item(sample.argmax()) >= self.vocab_size or (
                 self._signed[source] and sample.item(sample.argmin()) < 0):
             raise self._bad_id_error(k, source, sample)
