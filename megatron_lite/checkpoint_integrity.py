@@ -72,7 +72,7 @@ def _allowed_globals() -> tuple[Any, ...]:
     return tuple(objects)
 
 
-def _offending_global(path: Path, error: Exception) -> str:
+def offending_global(path: Path, error: Exception) -> str:
     """The refused global as torch's message names it (its wording varies by case and version)."""
     message = str(error)
     match = _GLOBAL_IN_ERROR.search(message)
@@ -103,7 +103,7 @@ def safe_load(path: str | os.PathLike[str], map_location: Any = "cpu", mmap: boo
             return torch.load(path, map_location=map_location, weights_only=True, mmap=use_mmap)
     except pickle.UnpicklingError as error:
         raise UnsafeCheckpointError(
-            f"{path}: refused to unpickle {_offending_global(path, error)} (not a type megatron_lite checkpoints "
+            f"{path}: refused to unpickle {offending_global(path, error)} (not a type megatron_lite checkpoints "
             "contain; the file may be malicious or from another program): not loaded") from None
     except (RuntimeError, EOFError, OSError, ValueError, zipfile.BadZipFile) as error:
         first = str(error).strip().splitlines()

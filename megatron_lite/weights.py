@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,8 @@ from typing import Any
 import torch
 
 from megatron_lite import checkpoint_dirs
-from megatron_lite.checkpoint_integrity import MANIFEST_FILE, safe_load, verify_or_raise
+from megatron_lite.checkpoint_integrity import (MANIFEST_FILE, CheckpointIntegrityError, UnsafeCheckpointError,
+                                                offending_global, safe_load, verify_or_raise)
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config, ModelConfig
 from megatron_lite.console import notice
@@ -92,12 +95,23 @@ def load_state_dict(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
 
 
 def read_weight_file(path: Path) -> dict[str, torch.Tensor]:
-    """One safetensors file, or a legacy .bin through ``torch.load(weights_only=True)`` (no arbitrary pickles)."""
+    """One safetensors file, or a legacy .bin through ``torch.load(weights_only=True)`` (no arbitrary pickles):
+    a pickle naming anything but tensors is refused in one line (UnsafeCheckpointError), as is an unreadable file."""
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
         return load_file(str(path))
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise UnsafeCheckpointError(
+            f"{path}: a pickled checkpoint that may run code (it names {offending_global(path, error)}, not only "
+            "tensors): not loaded; where you trust it, convert it to safetensors first (transformers: "
+            "from_pretrained(dir).save_pretrained(dir, safe_serialization=True))") from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile) as error:
+        first = str(error).strip().splitlines()
+        raise CheckpointIntegrityError(f"{path}: unreadable ({type(error).__name__}: "
+                                       f"{first[0] if first else ''})") from None
 
 
 def weight_files(consolidated_dir: Path) -> list[Path]:

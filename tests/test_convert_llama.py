@@ -7,6 +7,7 @@ and matches our logits."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -245,6 +246,39 @@ def test_special_ids_without_a_tokenizer_survive_import_and_export(tmp_path: Pat
     ids = torch.randint(3, TOKENS, (1, 20), generator=torch.Generator().manual_seed(7))
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert (float64_logits(reloaded, ids) - float64_logits(hf_model, ids)).abs().max().item() <= FLOAT64_TOLERANCE
+
+
+class RunsCodeWhenUnpickled:
+    """What a hostile pytorch_model.bin can hold: unpickling it runs a shell command (creates ``marker``)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_pickled_pytorch_model_bin_is_read_only_when_it_holds_only_tensors(tmp_path: Path) -> None:
+    """A legacy pytorch_model.bin (torch.save of the state dict) imports; one that would run code is refused by
+    tools/convert_checkpoint.py in one line, and the code does not run."""
+    hf_model = make_hf_model("llama", {}, tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    weights = tmp_path / "hf" / "pytorch_model.bin"
+    torch.save(hf_model.state_dict(), weights)
+    convert_checkpoint(tmp_path / "hf", tmp_path / "ours", "megatron_lite")
+    ids = torch.randint(3, TOKENS, (1, 12), generator=torch.Generator().manual_seed(4))
+    assert (load_model(tmp_path / "ours").model(ids)[..., :VOCAB] - hf_logits(hf_model, ids)).abs().max() <= TOLERANCE
+
+    marker = tmp_path / "code_ran"
+    torch.save({**hf_model.state_dict(), "payload": RunsCodeWhenUnpickled(marker)}, weights)
+    result = subprocess.run([sys.executable, str(REPO / "tools" / "convert_checkpoint.py"), str(tmp_path / "hf"),
+                             str(tmp_path / "refused"), "--to", "megatron_lite"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {weights}: a pickled checkpoint that may run code (it "
+                                                   "names posix.system, not only tensors): not loaded;"), result.stderr
+    assert not marker.exists() and not (tmp_path / "refused").exists()
 
 
 def test_sharded_checkpoints_convert_shard_by_shard_and_back_bitwise(tmp_path: Path) -> None:

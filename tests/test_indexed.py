@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import pickle
+import resource
+import signal
 import struct
 from pathlib import Path
 
@@ -115,7 +117,10 @@ def test_hand_built_pair_reads_back(tmp_path: Path) -> None:
     assert ds.document(1).tolist() == HAND_SEQS[1] + HAND_SEQS[2]
     # Zero-copy: views into the .bin memmap.
     for view in (ds[1], ds.get(2, 1, 2), ds.document(1)):
-        assert isinstance(view, np.memmap) and not view.flags.owndata
+        assert not view.flags.owndata and not view.flags.writeable
+        while not isinstance(view, np.memmap):
+            view = view.base
+        assert view.filename == str((tmp_path / "hand.bin").resolve())
     with pytest.raises(IndexError):
         ds[3]
     with pytest.raises(IndexError):
@@ -192,6 +197,27 @@ def test_interrupted_writer_leaves_no_idx(tmp_path: Path) -> None:
             w.add_document([1, 2, 3])
             raise RuntimeError("tokenizer died")
     assert os.listdir(tmp_path) == []  # no .idx, no .bin, no temporaries
+
+
+@pytest.mark.parametrize("limit", [1000, 20_000], ids=["first_flush", "buffered_rest_fails_again_at_close"])
+def test_full_disk_is_one_line_naming_the_file_and_leaves_no_temporary(tmp_path: Path, limit: int) -> None:
+    """A real file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored: write() fails with EFBIG as on a full disk) while
+    small documents are buffered: the failed flush leaves bytes in the buffer, whose flush at close fails again."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        with pytest.raises(ValueError) as error:
+            with IndexedDatasetWriter(tmp_path / "full", np.uint16) as w:
+                for _ in range(1000):
+                    w.add_document(np.arange(100))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    assert str(error.value) == (f"{tmp_path / 'full.bin'}: no room to write (File too large): the file system is "
+                                "full or a quota or file-size limit applies; free space and re-run (no partial file "
+                                "is left)")
+    assert os.listdir(tmp_path) == []
 
 
 def test_rewrite_replaces_pair(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ EOD = 0
 SEQ = 32
 # Token of position t in document d of source s: s * 10^7 + d * 1000 + t + 1, so every token says
 # where it came from; EOD closes each document. (group, documents, shards)
+VOCAB = 4 * 10**7  # the manifest's tokenizer vocabulary: every such id is inside it
 SOURCES = {"prose": ("text", 150, 2), "books": ("text", 60, 1), "code": ("code", 120, 1)}
 SOURCE_ID = {name: i + 1 for i, name in enumerate(SOURCES)}
 
@@ -42,7 +43,7 @@ def decode(token: int) -> tuple[int, int]:
 
 def write_cache(cache_dir: Path, weights: dict[str, float] | None = None) -> tuple[Path, Manifest]:
     rng = np.random.default_rng(0)
-    manifest = Manifest(TokenizerRecord(path="tokenizer/tokenizer.model", sha256="", vocab_size=8000, eod_id=EOD, pad_id=1))
+    manifest = Manifest(TokenizerRecord(path="tokenizer/tokenizer.model", sha256="", vocab_size=VOCAB, eod_id=EOD, pad_id=1))
     groups: dict = {"text": {"weight": 0.75, "sources": {}}, "code": {"weight": 0.25, "sources": {}}}
     for name, (group, num_documents, num_shards) in SOURCES.items():
         lengths = rng.integers(5, 300, size=num_documents)

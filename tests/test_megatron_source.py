@@ -148,7 +148,7 @@ def test_merged_set_without_document_boundaries_is_one_document_per_sequence(tmp
     sources, _ = resolve_sources(data, manifest, load_mix(data.mix))
     assert document_lengths(sources[0]).tolist() == [len(seq) for seq in seqs]
     train, _ = build_train_valid_datasets(data, 16, manifest, num_train_samples=8, num_valid_samples=0)
-    assert [train.dataset._document(0, k).tolist() for k in range(12)] == seqs
+    assert [shard.document(local).tolist() for shard, local in (train.dataset._locate(0, k) for k in range(12))] == seqs
 
 
 @pytest.mark.parametrize("bad,position", [(VOCAB, 7), (-1, 3)])

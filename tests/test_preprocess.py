@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +204,31 @@ def test_preprocess_cli(tmp_path: Path, model_path: Path, capsys: pytest.Capture
     out = capsys.readouterr().out
     assert "prose" in out and "built" in out and "missing_field x1" in out
     assert cli.main(["--config", str(config_path), "--set", "data.num_workers=0"]) == 2  # every CLI: a user error is 2
+
+
+def test_full_disk_is_one_line_naming_the_shard_and_leaves_no_temporary_file(tmp_path: Path, model_path: Path) -> None:
+    """A real file-size limit in tools/preprocess_data.py (RLIMIT_FSIZE with SIGXFSZ ignored: write() fails with
+    EFBIG, as on a full disk) while the code shard is written: one error line naming it, no temporary file left."""
+    config_path = tmp_path / "run.yml"
+    config_lib.save(_config(tmp_path, model_path), config_path)
+    limit = 16 << 10  # the tokenizer copy, the prose shard and the manifest fit; the code shard does not
+
+    def limit_file_size() -> None:  # in the child, before exec (an ignored signal stays ignored)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, str(REPO / "tools/preprocess_data.py"), "--config", str(config_path),
+                             "--quiet"], capture_output=True, text=True, env=env, preexec_fn=limit_file_size,
+                            timeout=120)
+    shard = tmp_path / "cache" / "shards/code/code_00000_text_document.bin"
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.splitlines() == [f"error: {shard}: no room to write (File too large): the file system is "
+                                          "full or a quota or file-size limit applies; free space and re-run (no "
+                                          "partial file is left)"], result.stderr
+    assert [path.name for path in (tmp_path / "cache").rglob("*") if ".tmp-" in path.name] == []
+    assert not shard.exists()
+    assert (tmp_path / "cache/shards/prose/prose_00000_text_document.bin").is_file()  # finished before: kept
 
 
 def test_sample_recipe_trains_tokenizer_and_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

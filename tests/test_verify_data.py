@@ -1,5 +1,6 @@
 """Data verification (data/verify.py): real faults in real shards made by the real preprocessing: a
-flipped byte, an out-of-range token id; the stamp that makes it once per shard set; --verify-data."""
+flipped byte, an out-of-range token id; the stamp that makes it once per shard set; --verify-data; the
+loader's own check of every sample (data/loader.py) for a byte flipped after the stamp."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from megatron_lite import config as config_lib
 from megatron_lite.data.indexed import IndexedDataset
+from megatron_lite.data.loader import SampleTokenError, build_train_valid_datasets, data_report
 from megatron_lite.data.manifest import Manifest, ShardRecord, load_manifest, save_manifest
 from megatron_lite.data.verify import (ShardVerificationError, ensure_verified, stamp_path, unverified_shards,
                                        verify_shards)
@@ -37,9 +39,9 @@ def _first_shard(cache: Path) -> tuple[Manifest, ShardRecord, Path]:
     return manifest, shard, cache / (shard.prefix + ".bin")
 
 
-def _flip_byte(path: Path, offset: int) -> None:
+def _flip_byte(path: Path, offset: int, bit: int = 0x01) -> None:
     data = bytearray(path.read_bytes())
-    data[offset] ^= 0x01
+    data[offset] ^= bit
     path.write_bytes(bytes(data))
 
 
@@ -116,19 +118,72 @@ def test_training_data_verifies_once_and_verify_data_forces(corpus: tuple[Path, 
     assert _one_line(error).startswith(f"{bin_path}: sha256 differs from the manifest")
 
 
+@pytest.mark.parametrize("workers", [0, 1], ids=["in_process", "worker_process"])
+def test_byte_flipped_after_the_stamp_stops_the_loader_naming_shard_and_document(corpus: tuple[Path, Path],
+                                                                                   workers: int) -> None:
+    """The stamp vouches for the shard, so nothing re-reads it before training: the loader's per-sample check
+    finds the id (one line through a DataLoader worker too), instead of an IndexError in the embedding."""
+    mix, cache = corpus
+    config = config_lib.from_dict(tiny_train_config(mix, cache))
+    config.data.validation_fraction = 0.0  # every document in the training stream
+    manifest, shard, bin_path = _first_shard(cache)
+    assert unverified_shards(cache, manifest) == []  # stamped at preprocessing
+    sizes = IndexedDataset(cache / shard.prefix).sizes.astype(np.int64)  # (documents,) one sequence each
+    document = len(sizes) // 2
+    position = int(sizes[:document].sum())  # its first token: the first sample to read it starts in another document
+    original = int(np.fromfile(bin_path, dtype="<u2")[position])  # vocab 384: uint16 shards
+    _flip_byte(bin_path, 2 * position + 1, bit=0x40)  # one bit of the high byte: id + 2**14
+    assert unverified_shards(cache, load_manifest(cache)) == []  # the stamp still vouches for it
+
+    total_tokens = sum(record.tokens for record in manifest.sources.values())
+    train, _ = build_train_valid_datasets(config.data, config.model.seq_length, manifest,
+                                          2 * total_tokens // config.model.seq_length, 0)  # > 1 epoch of each source
+    loader = torch.utils.data.DataLoader(train, batch_size=16, num_workers=workers)
+    with pytest.raises(SampleTokenError) as error:
+        for _ in loader:
+            pass
+    vocab = manifest.tokenizer.vocab_size
+    assert _one_line(error).startswith(f"{bin_path}: document {document} holds token id {original + 2**14}, "
+                                       f"outside the vocabulary [0, {vocab}) (sample ")
+
+
+def _first_training_sample(cache: Path, config: config_lib.Config) -> tuple[Path, int, int]:
+    """(shard .bin, token position, document in the shard) where training's first sample starts, found by
+    its first 8 ids (the sample order is prefix-stable: sample 0 is the same for any run length)."""
+    manifest = load_manifest(cache)
+    first = np.array(data_report(config.data, config.model.seq_length, manifest, 1)["sample"]["input_ids"][:8])
+    for shard in (shard for record in manifest.sources.values() for shard in record.shards):
+        bin_path = cache / (shard.prefix + ".bin")
+        windows = np.lib.stride_tricks.sliding_window_view(np.fromfile(bin_path, dtype="<u2"), len(first))
+        hits = np.flatnonzero((windows == first).all(axis=1))
+        if hits.size:
+            ends = np.cumsum(IndexedDataset(cache / shard.prefix).sizes.astype(np.int64))  # (documents,)
+            return bin_path, int(hits[0]), int(np.searchsorted(ends, hits[0], side="right"))
+    raise AssertionError("training's first sample is in no shard")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("fault", ["flipped_byte", "token_id"])
+@pytest.mark.parametrize("fault", ["flipped_byte", "token_id", "flipped_after_stamp"])
 def test_train_py_reports_a_bad_shard_in_one_line(fault: str, corpus: tuple[Path, Path], tmp_path: Path) -> None:
     mix, cache = corpus
     vocab = load_manifest(cache).tokenizer.vocab_size
     if fault == "flipped_byte":
         bin_path, extra, problem = _first_shard(cache)[2], ["--verify-data"], "sha256 differs from the manifest"
         _flip_byte(bin_path, 9)
+    elif fault == "flipped_after_stamp":  # nothing re-reads a stamped shard: the loader finds it at step 1
+        run_config = config_lib.from_dict(tiny_train_config(mix, cache))
+        bin_path, position, document = _first_training_sample(cache, run_config)
+        _flip_byte(bin_path, 2 * position + 1, bit=0x40)
+        extra, problem = [], f"document {document} holds token id"
     else:  # a changed manifest entry is verified without --verify-data
         bin_path, extra, problem = _write_token(cache, 2, vocab), [], f"token id {vocab} at position 2"
     config = write_config(tmp_path / "run.yml", tiny_train_config(mix, cache))
     result = run_train(config, tmp_path / "run", *extra, check=False)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
+    if fault == "flipped_after_stamp":  # found in step 1: the progress bar's line (redrawn after \r) ends first
+        bar = [line for line in lines if line.startswith("train:")]
+        assert bar and lines[:len(bar)] == bar and "error:" not in "".join(bar), result.stderr
+        lines = lines[len(bar):]
     assert len(lines) == 1 and lines[0].startswith(f"error: {bin_path}: {problem}"), result.stderr
     assert "Traceback" not in result.stdout + result.stderr

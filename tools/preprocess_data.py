@@ -16,6 +16,7 @@ import time
 
 from megatron_lite import config as config_lib
 from megatron_lite.cli import cli_main, run_cli
+from megatron_lite.data.indexed import raise_if_no_room
 from megatron_lite.data.preprocess import DEFAULT_DOCUMENTS_PER_SHARD, prepare_data
 
 
@@ -33,8 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     config = config_lib.load(args.config, args.set)
-    prepare_data(config.data, config.model.vocab_size, workers=args.workers, strict=args.strict,
-                 progress=not args.quiet, documents_per_shard=args.documents_per_shard, force=args.force)
+    try:
+        prepare_data(config.data, config.model.vocab_size, workers=args.workers, strict=args.strict,
+                     progress=not args.quiet, documents_per_shard=args.documents_per_shard, force=args.force)
+    except OSError as error:  # a shard names its own file; the manifest and tokenizer writes name the cache
+        raise_if_no_room(error, config.data.cache_dir)
+        raise
     if not args.quiet:
         print(f"done in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0

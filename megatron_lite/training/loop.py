@@ -120,7 +120,7 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     if resume_dir is not None:
         restore_rng_state(resume_dir, dist_info)
     decision = CONTINUE
-    with StopRequest() as stop:
+    with StopRequest() as stop, report.closed_on_error():
         while state.step < data.total_steps:
             lr = run_learning_rate(state.step, data.total_steps, train)
             outcome = take_step(staged, micro_batches(iterator, batch_sizes.gradient_accumulation_steps), lr,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch.utils.data import DataLoader
@@ -95,6 +97,16 @@ class StepReport:
     def close(self) -> None:
         self.progress.close()
         self.logger.close()
+
+    @contextmanager
+    def closed_on_error(self) -> Iterator[None]:
+        """An error leaving the block closes the report first: the bar ends its line, so the ``error:`` line
+        (e.g. a shard's bad token id found by the loader) prints on its own, and the metrics are flushed."""
+        try:
+            yield
+        except BaseException:
+            self.close()
+            raise
 
     def _train_row(self, engine: Any, state: TrainingState, loss: float, lr: float,
                    own_grad_norm: float | None) -> dict[str, Any]:
