@@ -16,6 +16,7 @@ return ``EXIT_USER_ERROR``; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from collections.abc import Callable
 from typing import NoReturn, ParamSpec
@@ -51,3 +52,17 @@ def run_cli(main: Callable[[], int]) -> NoReturn:
     library warnings dropped (``megatron_lite.console``), then exit with ``main()``'s code."""
     show_notices()
     sys.exit(main())
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """A positive number of seconds from environment variable ``name`` (``default`` when unset or empty)."""
+    value = os.environ.get(name)
+    if not value:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0  # reported below, with the same message as a non-positive value
+    if not seconds > 0:
+        raise ValueError(f"{name}={value!r}: expected a positive number of seconds")
+    return seconds

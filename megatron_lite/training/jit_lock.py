@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from megatron_lite.cli import seconds_from_env
 from megatron_lite.console import notice
 
 LOCK_WARN_ENV = "MEGATRON_LITE_JIT_LOCK_WARN_SECONDS"
@@ -67,16 +68,7 @@ def _describe(lock: Path) -> str | None:
 
 
 def warn_seconds() -> float:
-    value = os.environ.get(LOCK_WARN_ENV)
-    if not value:
-        return DEFAULT_WARN_SECONDS
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0  # reported below, with the same message as a non-positive value
-    if not seconds > 0:
-        raise ValueError(f"{LOCK_WARN_ENV}={value!r}: expected a positive number of seconds")
-    return seconds
+    return seconds_from_env(LOCK_WARN_ENV, DEFAULT_WARN_SECONDS)
 
 
 @contextmanager

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_lite.cli import seconds_from_env
 from megatron_lite.console import notice
 
 LOCK_FILE = "run.lock"
@@ -62,16 +63,7 @@ class LockHolder:
 
 
 def heartbeat_seconds() -> float:
-    value = os.environ.get(RUN_LOCK_HEARTBEAT_ENV)
-    if not value:
-        return DEFAULT_HEARTBEAT_SECONDS
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0  # reported below, with the same message as a non-positive value
-    if not seconds > 0:
-        raise ValueError(f"{RUN_LOCK_HEARTBEAT_ENV}={value!r}: expected a positive number of seconds")
-    return seconds
+    return seconds_from_env(RUN_LOCK_HEARTBEAT_ENV, DEFAULT_HEARTBEAT_SECONDS)
 
 
 def _pid_alive(pid: int) -> bool:
