@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from megatron_lite import checkpoint_dirs
+from megatron_lite.training.sample_record import read_sample_indices
 from megatron_lite.weights import load_model, load_step_state_dict
 from training_helpers import metrics, run_train, tiny_train_config, train_command, train_losses, write_config
 
@@ -36,7 +37,7 @@ def random_config(mix: Path, cache: Path, **train: Any) -> dict[str, Any]:
     """``tiny_train_config`` whose every step draws random numbers (hidden and attention dropout 0.1) and
     whose evaluations (every 2 steps) fall between the saves (every 4): an exact resume must restore every
     stream a step draws from, and no data loader may draw from them."""
-    config = tiny_train_config(mix, cache, **{"eval_interval": 2, **train})
+    config = tiny_train_config(mix, cache, **{"eval_interval": 2, "record_sample_indices": True, **train})
     config["model"].update(hidden_dropout=0.1, attention_dropout=0.1)
     return config
 
@@ -85,6 +86,10 @@ def test_exact_resume_single_rank(training_corpus, baseline: Path, tmp_path: Pat
     assert f"warning: {tmp_path / 'run/metrics.jsonl'}: dropped its cut-off last line" in second.stdout
     assert "Traceback" not in second.stderr
     assert train_losses(tmp_path / "run") == train_losses(baseline)  # the same trace, exactly
+    indices = read_sample_indices(baseline)  # each step 8 samples (micro 4 x accumulation 2), none seen twice
+    assert sorted(indices) == list(range(1, 9)) and all(len(step) == 8 for step in indices.values())
+    assert len({index for step in indices.values() for index in step}) == 64
+    assert read_sample_indices(tmp_path / "run") == indices  # the resumed run trained on the same samples
     losses = train_losses(baseline)
     assert f"loss {losses[1]:.4f} (step 1) -> {losses[8]:.4f} (step 8)" in second.stdout  # the whole run's, not X -> X
     assert_bitwise_equal(weights(tmp_path / "run/checkpoints/step_00000008"), weights(baseline / "checkpoints/step_00000008"))

@@ -406,6 +406,10 @@ class TrainConfig:
         "Validation set size in micro batches: each validation run scores the same eval_iters x "
         "train_micro_batch_size_per_gpu samples, split over the data-parallel ranks, so val_loss is the same "
         "number on any GPU count.", default=10)
+    record_sample_indices: bool = _doc(
+        "Append each optimizer step's global sample indices (gathered over the data-parallel ranks, sorted) to "
+        "<run dir>/sample_indices.jsonl: which samples a step trained on, comparable across GPU counts and "
+        "resumes.", default=False)
     save_interval: int = _doc("Steps between checkpoints (and one at the end); 0 saves only at the end.", default=1000)
     keep_last_checkpoints: int = _doc("Complete checkpoints kept; older ones are deleted.", default=3)
     exit_interval: int | None = _doc(

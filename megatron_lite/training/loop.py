@@ -32,6 +32,7 @@ from megatron_lite.training.engine import StagedEngine, start_engine
 from megatron_lite.training.identity import TokenizerChange, tokenizer_change
 from megatron_lite.training.reporting import StepReport
 from megatron_lite.training.run_lock import hold_run_dir
+from megatron_lite.training.sample_record import SampleIndexRecorder
 from megatron_lite.training.schedule import run_learning_rate
 from megatron_lite.training.stages import Stage, plan_stages
 from megatron_lite.training.step import micro_batches, take_step
@@ -117,13 +118,16 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     report = StepReport(logger, config, batch_sizes, dist_info, state.step, data.total_steps)
     injected = set(train.fault_injection.nonfinite_loss_steps)
     iterator = iter(train_loader)
+    samples = SampleIndexRecorder(run_dir, dist_info, train.record_sample_indices, state.step)
     if resume_dir is not None:
         restore_rng_state(resume_dir, dist_info)
     decision = CONTINUE
     with StopRequest() as stop, report.closed_on_error():
         while state.step < data.total_steps:
             lr = run_learning_rate(state.step, data.total_steps, train)
-            outcome = take_step(staged, micro_batches(iterator, batch_sizes.gradient_accumulation_steps), lr,
+            batches = micro_batches(iterator, batch_sizes.gradient_accumulation_steps)
+            samples.record(state.step + 1, batches)
+            outcome = take_step(staged, batches, lr,
                                 inject_nonfinite=(state.step + 1) in injected,
                                 signalled_here=stop.signal_name is not None, logged=report.logs(state.step + 1))
             state.step += 1
