@@ -538,7 +538,8 @@ def slurm_node_commands(nodes: int, gpus_per_node: int, train_args: list[str]) -
     assert "bash -c 'exec deepspeed" in text, "single quotes: each task expands its own SLURM_NODEID"
     exported = {word for line in text.splitlines() if line.startswith("export ") for word in line.split()[1:]}
     used = set(re.findall(r"\$\{?([A-Za-z_]\w*)", program))
-    assert used <= exported | SLURM_TASK_VARIABLES, f"the tasks never see {sorted(used - exported - SLURM_TASK_VARIABLES)}"
+    unseen = sorted(used - exported - SLURM_TASK_VARIABLES)
+    assert not unseen, f"the tasks never see {unseen}: export them"
     commands = []
     for node in range(nodes):
         values = {"HOSTFILE": "runs/slurm/hostfile.4242", "GPUS_PER_NODE": str(gpus_per_node), "MASTER_ADDR": "node1",
@@ -657,7 +658,8 @@ def test_guide_commands(guide_checked: Checked) -> None:
     assert any(launcher.no_ssh for launcher in launchers) and any(launcher.ssh_port == 2222 for launcher in launchers)
     assert "node1 slots=8\nnode2 slots=8" in text
     assert "sbatch tools/slurm/train.sbatch --config configs/coca_350m.yml" in text
-    assert any(launcher.no_ssh and launcher.num_gpus == 1 and launcher.master_addr == "127.0.0.1" for launcher in launchers)
+    assert any(launcher.no_ssh and launcher.num_gpus == 1 and launcher.master_addr == "127.0.0.1"
+               for launcher in launchers)  # the two-launcher run on one machine
     assert any(c.data.mix == "configs/data/sample_mix.yml" for c in guide_checked.train_configs) or \
         "--set data.mix=configs/data/sample_mix.yml" in text
 
