@@ -10,7 +10,11 @@
 * every command in docs/run_at_scale.md (the at-scale guide the README links to) is parsed:
   docker options, volumes and build args against the Dockerfile, deepspeed launcher flags with
   DeepSpeed's own parser, train.py / tools flags against their --help, configs loaded with the
-  --set overrides, and micro batch x accumulation x GPUs against the global batch.
+  --set overrides, and micro batch x accumulation x GPUs against the global batch; the hostfiles it
+  shows through DeepSpeed's hostfile parser;
+* the SLURM batch script (tools/slurm/train.sbatch): bash syntax, one task per node, and the deepspeed
+  command each node's task runs (expanded as that task's shell would) through DeepSpeed's parser, like
+  the guide's `sbatch` commands. tests/test_multinode.py runs it.
 """
 
 from __future__ import annotations
@@ -510,6 +514,59 @@ def check_build_local(args: list[str], found: Checked) -> None:
         check_command(command, found)
 
 
+SLURM_SCRIPT = "tools/slurm/train.sbatch"
+SLURM_TASK_VARIABLES = {"SLURM_NNODES", "SLURM_NODEID"}  # srun sets them in each task's environment
+SBATCH_OPTIONS = {"--nodes", "--gpus-per-node", "--time", "--partition", "--account", "--job-name", "--output"}
+
+
+def sbatch_directives(text: str) -> dict[str, str]:
+    """The script's `#SBATCH --name=value` lines (a flag without a value maps to "")."""
+    return dict(re.findall(r"^#SBATCH (--[\w-]+)(?:=(\S+))?$", text, flags=re.M))
+
+
+def slurm_node_commands(nodes: int, gpus_per_node: int, train_args: list[str]) -> list[list[str]]:
+    """The deepspeed arguments each node's task runs: the script's srun line, its `bash -c` program expanded
+    as that task's shell would (its own SLURM_NODEID; the variables the batch script exports, here given
+    the values they would have), `"$@"` being the arguments given to the script."""
+    text = (REPO / SLURM_SCRIPT).read_text()
+    (srun,) = [line for line in re.sub(r"\\\n\s*", " ", text).splitlines() if line.startswith("srun ")]
+    tokens = shlex.split(srun)
+    program_at = tokens.index("-c") + 1
+    assert tokens[program_at - 2] == "bash", "srun runs a bash -c program"
+    program, _name, *args = tokens[program_at:]
+    assert args == ["$@"], "the script's own arguments go on to train.py"
+    assert "bash -c 'exec deepspeed" in text, "single quotes: each task expands its own SLURM_NODEID"
+    exported = {word for line in text.splitlines() if line.startswith("export ") for word in line.split()[1:]}
+    used = set(re.findall(r"\$\{?([A-Za-z_]\w*)", program))
+    unseen = sorted(used - exported - SLURM_TASK_VARIABLES)
+    assert not unseen, f"the tasks never see {unseen}: export them"
+    commands = []
+    for node in range(nodes):
+        values = {"HOSTFILE": "runs/slurm/hostfile.4242", "GPUS_PER_NODE": str(gpus_per_node), "MASTER_ADDR": "node1",
+                  "MASTER_PORT": "29500", "SLURM_NNODES": str(nodes), "SLURM_NODEID": str(node)}
+        expanded = program.replace('"$@"', shlex.join(train_args))
+        words = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda match: values[match.group(1)], expanded))
+        assert words[:2] == ["exec", "deepspeed"], words
+        commands.append(words[2:])
+    return commands
+
+
+def check_sbatch(args: list[str], found: Checked) -> None:
+    """sbatch [--option=value ...] tools/slurm/train.sbatch [train.py arguments]: the options known to
+    sbatch, and every node's deepspeed command like a documented one."""
+    directives = sbatch_directives((REPO / SLURM_SCRIPT).read_text())
+    i = 0
+    while args[i].startswith("-"):
+        name, _, value = args[i].partition("=")
+        assert name in SBATCH_OPTIONS and value, f"sbatch: unchecked option {args[i]} (write --name=value)"
+        directives[name] = value
+        i += 1
+    assert args[i] == SLURM_SCRIPT, f"sbatch runs {args[i]}, expected {SLURM_SCRIPT}"
+    nodes, gpus = int(directives["--nodes"]), int(directives["--gpus-per-node"].rsplit(":", 1)[-1])
+    for command in slurm_node_commands(nodes, gpus, args[i + 1:]):
+        check_deepspeed(command, found)
+
+
 def check_command(tokens: list[str], found: Checked) -> None:
     while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", tokens[0]):
         tokens = tokens[1:]
@@ -526,6 +583,8 @@ def check_command(tokens: list[str], found: Checked) -> None:
         assert tokens[2] == "pytest" and all((REPO / t).exists() for t in tokens[3:] if t.startswith("tests/")), tokens
     elif program == "python":
         check_script(tokens[1], tokens[2:], found)
+    elif program == "sbatch":
+        check_sbatch(tokens[1:], found)
     elif program == "docker/sshd.sh":
         assert (REPO / program).is_file()
     else:
@@ -554,10 +613,13 @@ def check_batches(found: Checked) -> None:
     from megatron_lite.training.deepspeed_config import resolve_batch_sizes
 
     for entry in found.deepspeed:
-        world = _world_size(entry["launcher"])
-        if world is not None and entry["config"] is not None:
-            layout = resolve_batch_sizes(entry["config"], world)  # ValueError when the triple does not multiply out
-            assert layout.global_batch_size == 256, "the documented runs keep the paper's global batch"
+        launcher, config = entry["launcher"], entry["config"]
+        world = _world_size(launcher)
+        if world is not None and config is not None:
+            layout = resolve_batch_sizes(config, world)  # ValueError when the triple does not multiply out
+            config_path = launcher.user_args[launcher.user_args.index("--config") + 1]
+            if config_path.endswith("_350m.yml"):
+                assert layout.global_batch_size == 256, "the documented 350M runs keep the paper's global batch"
 
 
 @pytest.fixture(scope="module")
@@ -595,8 +657,48 @@ def test_guide_commands(guide_checked: Checked) -> None:
     launchers = [entry["launcher"] for entry in guide_checked.deepspeed]
     assert any(launcher.no_ssh for launcher in launchers) and any(launcher.ssh_port == 2222 for launcher in launchers)
     assert "node1 slots=8\nnode2 slots=8" in text
+    assert "sbatch tools/slurm/train.sbatch --config configs/coca_350m.yml" in text
+    assert any(launcher.no_ssh and launcher.num_gpus == 1 and launcher.master_addr == "127.0.0.1"
+               for launcher in launchers)  # the two-launcher run on one machine
     assert any(c.data.mix == "configs/data/sample_mix.yml" for c in guide_checked.train_configs) or \
         "--set data.mix=configs/data/sample_mix.yml" in text
+
+
+def test_guide_hostfiles_parse() -> None:
+    """Every hostfile the guide shows (a block of `<host> slots=<n>` lines) is one DeepSpeed's launcher reads."""
+    from deepspeed.launcher.runner import _parse_hostfile
+
+    fenced = re.findall(r"^```(\w*)\n(.*?)^```", DOCS.read_text(), flags=re.S | re.M)  # (language, body), in order
+    blocks = [block for language, block in fenced
+              if not language and all(re.fullmatch(r"\S+ slots=\d+", line) for line in block.splitlines())]
+    pools = [dict(_parse_hostfile(block.splitlines())) for block in blocks]  # ValueError on a host named twice
+    assert {"node1": 8, "node2": 8} in pools and {"localhost": 1, "127.0.0.1": 1} in pools, pools
+
+
+def test_slurm_batch_script() -> None:
+    """tools/slurm/train.sbatch: bash syntax, executable, one task per node, and on each node a deepspeed
+    --no_ssh launcher with that node's rank and otherwise the same arguments everywhere."""
+    script = REPO / SLURM_SCRIPT
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert os.access(script, os.X_OK)
+    directives = sbatch_directives(script.read_text())
+    assert directives["--ntasks-per-node"] == "1", "one launcher per node"
+    assert (directives["--nodes"], directives["--gpus-per-node"]) == ("2", "8")
+    found = Checked([], [], [])
+    check_sbatch(["--nodes=3", SLURM_SCRIPT, "--config", "configs/coca_350m.yml", "--set",
+                  "train.zero_stage=2"], found)
+    launchers = [entry["launcher"] for entry in found.deepspeed]
+    assert [launcher.node_rank for launcher in launchers] == [0, 1, 2]
+    for launcher in launchers:
+        assert launcher.no_ssh and (launcher.num_nodes, launcher.num_gpus) == (3, 8)
+        assert launcher.user_script == "train.py"
+        assert launcher.user_args == ["--config", "configs/coca_350m.yml", "--set", "train.zero_stage=2"]
+        different = {key for key, value in vars(launcher).items() if value != vars(launchers[0])[key]}
+        assert different <= {"node_rank"}, different
+    assert all(config.train.zero_stage == 2 for config in found.train_configs)
+    with pytest.raises(ValueError, match="train_micro_batch_size_per_gpu"):  # 256 on 24 GPUs at micro 16
+        check_batches(found)
 
 
 def test_documented_defaults_match_the_configs() -> None:

@@ -1,0 +1,158 @@
+"""Two nodes on one machine: one DeepSpeed launcher per "node", as on a cluster without ssh.
+
+Each launcher is the real `deepspeed --no_ssh --node_rank R` (gloo on CPU, one rank each) reading a
+two-line hostfile; together they train one 2-rank run that must equal a 1-process run of the same global
+batch (accumulation derived: 2 there, 1 here) step for step. The SLURM batch script
+(tools/slurm/train.sbatch) runs the same way, with stand-ins for the two SLURM commands it calls:
+`scontrol show hostnames` (prints the job's comma-separated node list) and `srun` (starts the command once
+per node, all on this machine, with the per-task SLURM_NODEID / SLURM_PROCID, and records its options).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_lite import checkpoint_dirs
+from megatron_lite.training.sample_record import read_sample_indices
+from training_helpers import REPO, free_port, metrics, run_train, tiny_train_config, train_losses, write_config
+
+pytestmark = pytest.mark.slow  # real multi-process training runs
+
+STEPS = 4
+RELATIVE_TOLERANCE = 1e-5
+# Two names for this machine: DeepSpeed refuses a hostfile naming one host twice, and with --no_ssh the
+# names are only labels (each launcher takes the line of its --node_rank; only --master_addr is dialled).
+HOSTFILE = "localhost slots=1\n127.0.0.1 slots=1\n"
+SLURM_SCRIPT = REPO / "tools" / "slurm" / "train.sbatch"
+STARTUP = "2 rank(s) on cpu; batch 8 = 4 micro x 1 accumulation (derived) x 2 rank(s)"
+
+SCONTROL = """#!/bin/bash
+[ "$1 $2" = "show hostnames" ] || { echo "scontrol stand-in: only 'show hostnames'" >&2; exit 2; }
+tr , '\\n' <<< "$3"
+"""
+SRUN = """#!/bin/bash
+options=()
+while [[ $1 == -* ]]; do options+=("$1"); shift; done
+printf '%s\\n' "${options[@]}" > "$SRUN_OPTIONS_FILE"
+pids=()
+for ((node = 0; node < SLURM_NNODES; node++)); do
+    SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 "$@" &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+"""
+
+
+def launcher_env() -> dict[str, str]:
+    # A launcher whose partner never starts waits DEEPSPEED_TIMEOUT minutes (default 10) for it: fail sooner.
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1",
+            "DEEPSPEED_TIMEOUT": "2"}
+
+
+def deepspeed_executable() -> list[str]:
+    deepspeed = Path(sys.executable).with_name("deepspeed")
+    return [str(deepspeed)] if deepspeed.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+@pytest.fixture(scope="module")
+def config(training_corpus, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny run with a global batch of 8 at micro batch 4 and accumulation left to be derived, ZeRO 1
+    (the optimizer state split over the nodes), every step's sample indices recorded."""
+    mix, cache = training_corpus
+    data = tiny_train_config(mix, cache, train_iters=STEPS, train_batch_size=8, gradient_accumulation_steps=None,
+                             zero_stage=1, eval_interval=2, save_interval=STEPS, record_sample_indices=True)
+    return write_config(tmp_path_factory.mktemp("multinode") / "config.yml", data)
+
+
+@pytest.fixture(scope="module")
+def one_process(config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("one_process") / "run"
+    result = run_train(config, run_dir)
+    assert "1 rank(s) on cpu; batch 8 = 4 micro x 2 accumulation (derived) x 1 rank(s)" in result.stdout
+    return run_dir
+
+
+def assert_same_training(run_dir: Path, reference: Path) -> None:
+    """Finished at STEPS with world size 2 (both ranks wrote their share), the reference's losses to 1e-5,
+    its validation loss, and the same global samples in every step."""
+    step_dir = run_dir / checkpoint_dirs.CHECKPOINTS_DIR / checkpoint_dirs.step_tag(STEPS)
+    marker = json.loads((step_dir / checkpoint_dirs.COMPLETE_MARKER).read_text())
+    assert (marker["step"], marker["world_size"], marker["stopped_by"]) == (STEPS, 2, "completed")
+    for rank in (0, 1):  # each rank saves its RNG state and its ZeRO-1 optimizer partition
+        assert (step_dir / f"rng_state_rank{rank:05d}.pt").is_file()
+        assert len(list(step_dir.glob(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))) == 1
+    losses, expected = train_losses(run_dir), train_losses(reference)
+    assert sorted(losses) == list(range(1, STEPS + 1)) and sorted(expected) == sorted(losses)
+    for step in losses:
+        assert losses[step] == pytest.approx(expected[step], rel=RELATIVE_TOLERANCE), step
+
+    def validation(run: Path) -> dict[int, float]:
+        return {row["step"]: row["val_loss"] for row in metrics(run) if row.get("val_loss") is not None}
+
+    assert validation(run_dir).keys() == validation(reference).keys() == {2, 4}
+    for step, loss in validation(run_dir).items():
+        assert loss == pytest.approx(validation(reference)[step], rel=RELATIVE_TOLERANCE), step
+    assert read_sample_indices(run_dir) == read_sample_indices(reference)
+    assert sorted(index for indices in read_sample_indices(run_dir).values() for index in indices) == \
+        list(range(8 * STEPS))
+
+
+def test_two_launchers_with_no_ssh_train_like_one_process(config: Path, one_process: Path, tmp_path: Path) -> None:
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(HOSTFILE)
+    port, run_dir = free_port(), tmp_path / "run"
+    launchers = []
+    for node_rank in (0, 1):
+        command = [*deepspeed_executable(), "--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "1",
+                   "--no_ssh", "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                   str(REPO / "train.py"), "--config", str(config), "--run-dir", str(run_dir)]
+        launchers.append(subprocess.Popen(command, cwd=REPO, env=launcher_env(), text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outputs = [launcher.communicate(timeout=300)[0] for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+    for node_rank, (launcher, output) in enumerate(zip(launchers, outputs)):
+        assert launcher.returncode == 0, f"launcher {node_rank} exited {launcher.returncode}:\n{output[-4000:]}"
+        # each launcher placed its own rank: world size 2, one process here, global rank = node rank
+        assert f"nnodes=2, num_local_procs=1, node_rank={node_rank}" in output, output[-4000:]
+    assert STARTUP in outputs[0]  # rank 0 (node 0) prints the header; it counts both ranks
+    assert f"done: completed at step {STEPS}/{STEPS}" in outputs[0]
+    assert_same_training(run_dir, one_process)
+
+
+def test_slurm_script_starts_one_launcher_per_node(config: Path, one_process: Path, tmp_path: Path) -> None:
+    stand_ins = tmp_path / "bin"
+    stand_ins.mkdir()
+    for name, text in (("scontrol", SCONTROL), ("srun", SRUN)):
+        (stand_ins / name).write_text(text)
+        (stand_ins / name).chmod(0o755)
+    hostfile, run_dir = tmp_path / "slurm" / "hostfile", tmp_path / "run"
+    # the stand-ins first, then this interpreter's scripts (the deepspeed launcher the script calls)
+    path = os.pathsep.join([str(stand_ins), str(Path(sys.executable).parent), os.environ["PATH"]])
+    env = {**launcher_env(), "PATH": path,
+           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "127.0.0.1,localhost", "SLURM_NNODES": "2",
+           "SLURM_GPUS_PER_NODE": "cpu:1", "SLURM_CPUS_ON_NODE": "2", "MASTER_PORT": str(free_port()),
+           "HOSTFILE": str(hostfile), "SRUN_OPTIONS_FILE": str(tmp_path / "srun_options")}
+    result = subprocess.run(["bash", str(SLURM_SCRIPT), "--config", str(config), "--run-dir", str(run_dir)],
+                            cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert hostfile.read_text() == "127.0.0.1 slots=1\nlocalhost slots=1\n"
+    assert (tmp_path / "srun_options").read_text().split() == [
+        "--ntasks-per-node=1", "--cpus-per-task=2", "--kill-on-bad-exit=1"]
+    assert f"megatron_lite: 2 node(s) x 1 GPU(s), rendezvous 127.0.0.1:{env['MASTER_PORT']}" in output
+    for node_rank in (0, 1):  # each task's own SLURM_NODEID reached its launcher
+        assert f"nnodes=2, num_local_procs=1, node_rank={node_rank}" in output
+    assert STARTUP in output
+    assert_same_training(run_dir, one_process)
