@@ -3,6 +3,7 @@ tokenizer), wandb fallback and run id, the loss every report shows, FLOPs, data 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,20 @@ def test_validation_loss_is_the_same_on_any_world_size() -> None:
     assert val_loss(1) == pytest.approx(sum(batch_means) / 3, rel=1e-14)
     for world_size in (2, 3, 5):
         assert val_loss(world_size) == pytest.approx(val_loss(1), rel=1e-12), world_size
+
+
+@pytest.mark.parametrize("variable", ["SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"])
+def test_many_tasks_without_a_launcher_are_refused_in_one_line(monkeypatch: pytest.MonkeyPatch, variable: str) -> None:
+    """``srun -n 4 python train.py``: each task would set up its own one-rank world and train alone."""
+    from megatron_lite.training.distributed import single_process_env
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.setenv(name, "")  # recorded, so what single_process_env sets is undone after the test
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(variable, "4")
+    with pytest.raises(ValueError, match=f"^{variable}=4: this is one of 4 tasks started without a torch launcher"):
+        single_process_env()
+    monkeypatch.setenv(variable, "1")  # one task (e.g. `srun -n 1`, or python inside an allocation): runs alone
+    single_process_env()
+    assert os.environ["WORLD_SIZE"] == "1"

@@ -34,12 +34,28 @@ def single_process_env() -> None:
     mpi4py): describe a one-rank world on this host instead."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return
+    _refuse_unlaunched_tasks()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+# Set in each task by a scheduler or MPI that started many copies of train.py without a torch launcher.
+_TASK_COUNT_VARIABLES = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def _refuse_unlaunched_tasks() -> None:
+    """``srun -n 16 python train.py`` (or DeepSpeed's ``--launcher slurm``, or mpirun) starts many copies
+    with no RANK/WORLD_SIZE: each would set up a one-rank world and train alone. One line instead."""
+    for name in _TASK_COUNT_VARIABLES:
+        value = os.environ.get(name, "1")
+        if value.isdigit() and int(value) > 1:
+            raise ValueError(f"{name}={value}: this is one of {value} tasks started without a torch launcher "
+                             "(RANK/WORLD_SIZE unset), so each would train alone; start one `deepspeed --no_ssh "
+                             "--node_rank N` per node instead (tools/slurm/train.sbatch, docs/run_at_scale.md)")
 
 
 def init_distributed() -> DistributedInfo:
