@@ -204,8 +204,9 @@ def plan_budget(settings: ReproSettings, config: Config, ranks: int, mfu: MfuEst
         requested, source = DRY_RUN_TOKENS, "the dry run's 4 toy steps"
     else:
         requested = paper_tokens(config)
-        source = (f"the paper's: train.train_epochs {config.train.train_epochs:g} of {config_path(settings, scheme)} "
-                  f"x its ~{PAPER_SAMPLE_TOKENS / 1e9:g}B-token sample (section 4)")
+        source = (f"the paper's: {config.train.train_epochs:g} epochs (train.train_epochs of "
+                  f"{_shown(config_path(settings, scheme))}) x its ~{PAPER_SAMPLE_TOKENS / 1e9:g}B-token sample "
+                  "(section 4)")
     step_tokens = tokens_per_step(config, ranks)  # ValueError when the global batch does not fit the ranks
     train_iters = max(1, math.ceil(requested / step_tokens))
     per_model = train_iters * step_tokens
@@ -224,6 +225,13 @@ def plan_budget(settings: ReproSettings, config: Config, ranks: int, mfu: MfuEst
             "parameters": counted_parameter_count(config.model), "flops_per_token": flops,
             "mfu": mfu.value, "mfu_kind": mfu.kind, "mfu_source": mfu.source, "hours": hours,
             "dry_run": settings.dry_run}
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when inside it."""
+    from megatron_lite.repro.settings import REPO_ROOT
+
+    return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
 def budget_text(plan: dict[str, Any]) -> str:
