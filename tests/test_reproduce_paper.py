@@ -153,6 +153,7 @@ def test_every_model_starts_through_the_deepspeed_launcher(tmp_path: Path) -> No
     (["--tokens", "lots"], "--tokens 'lots': expected a number of tokens such as 100B"),
     (["--mix", "/nonexistent/mix.yml"], "--mix /nonexistent/mix.yml: no such file"),
     (["--num-gpus", "8", "--hostfile", __file__], "--hostfile/--num-gpus: give one"),
+    (["--hostfile", __file__], f"--hostfile {__file__}: Hostfile contains a bad entry"),
     (["--num-gpus", "8", "--train-iters", "5"], "--train-iters: the paper-350m profile sets its step count from --tokens"),
     (["--num-gpus", "8", "--mfu", "45"], "--mfu 45: a fraction of the peak, in (0, 1]"),
     (["--num-gpus", "3"], "train.train_batch_size=256 is not a multiple of train.train_micro_batch_size_per_gpu=16 x 3"),

@@ -162,14 +162,13 @@ def mfu_from_board(path: Path) -> MfuEstimate | None:
     if not path.is_file():
         return None
     for table, wanted in ((results_board.REPRODUCTIONS, "reproduce paper-350m"), (results_board.GPU_CHECKS, None)):
-        rows = [row for row in results_board.read_rows(path, table)
-                if row.get("kind") == "full" and (wanted is None or row.get("run") == wanted)
-                and _percent(row.get("MFU", "")) is not None]
-        if rows:
-            row = rows[-1]
-            return MfuEstimate(_percent(row["MFU"]) or 0.0, "measured",  # type: ignore[arg-type]
-                               f"results board {path}, '{table}' row of {row['date']} on {row['device']} "
-                               f"({row['run']}, commit {row['commit']})")
+        measured = [(mfu, row) for row in results_board.read_rows(path, table)
+                    if row.get("kind") == "full" and (wanted is None or row.get("run") == wanted)
+                    and (mfu := _percent(row.get("MFU", ""))) is not None]
+        if measured:
+            mfu, row = measured[-1]
+            return MfuEstimate(mfu, "measured", f"results board {path}, '{table}' row of {row['date']} on "
+                                                f"{row['device']} ({row['run']}, commit {row['commit']})")
     return None
 
 
