@@ -243,10 +243,13 @@ def with_books_on_disk(settings: ReproSettings, args: argparse.Namespace) -> Rep
 def main(argv: list[str] | None = None) -> int:
     from megatron_lite.eval.long_context import EvalOutOfMemory
     from megatron_lite.repro import TrainingFailed, run_reproduction
+    from megatron_lite.repro.pipeline import print_paper_budget
 
     args = parse_args(argv)
     settings = settings_from_args(args)
     board = results_board.board_from_args(args)
+    if settings.profile == "paper-350m":
+        settings = print_paper_budget(settings)  # before anything runs, the eval books' download included
     try:
         results = run_reproduction(with_books_on_disk(settings, args))
     except (TrainingFailed, EvalOutOfMemory) as error:

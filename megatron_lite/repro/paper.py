@@ -261,11 +261,12 @@ def budget_path(settings: ReproSettings) -> Path:
 
 
 def announce_budget(settings: ReproSettings, configs: dict[str, Config]) -> dict[str, Any]:
-    """Plan the run, print the arithmetic (also with --quiet: it is what the user is about to spend) and keep
-    it in OUT/budget.json."""
+    """Plan the run, print the arithmetic unless printed already (also with --quiet: it is what the user is
+    about to spend) and keep it in OUT/budget.json."""
     first = configs[settings.schemes[0]]
     plan = plan_budget(settings, first, world_size(settings), budget_mfu(settings))
-    print(budget_text(plan), flush=True)
+    if not settings.paper.budget_printed:
+        print(budget_text(plan), flush=True)
     settings.out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(budget_path(settings), json.dumps(plan, indent=1) + "\n")
     return plan

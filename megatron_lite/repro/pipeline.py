@@ -33,7 +33,8 @@ import torch
 
 from megatron_lite.files import write_text_atomic
 from megatron_lite.repro.settings import (ReproSettings, absolute, load_scheme_configs, log, mix_document, mix_path,
-                                          planned_train_iters, run_dir, validate_settings, write_mix)
+                                          planned_train_iters, run_dir, validate_paper_flags, validate_settings,
+                                          write_mix)
 from megatron_lite.repro import paper, speedrun
 from megatron_lite.repro.training import train_scheme
 
@@ -140,6 +141,15 @@ def _jsonable(value: Any) -> Any:
 def _require(settings: ReproSettings, phase: str, done: bool, what: str) -> None:
     if not done:
         raise ValueError(f"--only {','.join(settings.phases)}: the {phase} phase has not run yet ({what}); include it")
+
+
+def print_paper_budget(settings: ReproSettings) -> ReproSettings:
+    """paper-350m: the budget printed now, before evaluation books are fetched (the run keeps it in
+    OUT/budget.json without printing it again); the settings to run with."""
+    validate_paper_flags(absolute(settings))
+    prepared, _ = _prepare_profile(absolute(settings))
+    paper.announce_budget(prepared, load_scheme_configs(prepared))
+    return replace(settings, paper=replace(settings.paper, budget_printed=True))
 
 
 def run_reproduction(settings: ReproSettings) -> dict[str, Any]:

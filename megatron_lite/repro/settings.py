@@ -67,6 +67,7 @@ class PaperRunSettings:
     mfu: float | None = None  # MFU the budget assumes, given by the user; None: measured (gpu_check/board) or assumed
     gpu_check: Path | None = None  # a gpu_check.json whose throughput rows give a measured MFU
     board: Path | None = None  # the results board whose rows may give a measured MFU
+    budget_printed: bool = False  # the CLI printed the budget before fetching evaluation books
 
 
 @dataclass
@@ -126,12 +127,18 @@ def check_no_overlap(books: Path, eval_books: Path) -> None:
 
 
 def _validate_paper_run(settings: ReproSettings) -> None:
-    paper = settings.paper
     if settings.eval_books is None:
         raise ValueError("--eval-books: the paper-350m profile evaluates on held-out books (the paper: PG-19 test, "
                          "e.g. emozilla/pg19-test)")
     if not settings.eval_books.exists():
         raise ValueError(f"--eval-books {settings.eval_books}: no such file or directory")
+    validate_paper_flags(settings)
+
+
+def validate_paper_flags(settings: ReproSettings) -> None:
+    """The paper-350m flags that the budget needs, checked before it is printed (evaluation books may still be a
+    datasets id then)."""
+    paper = settings.paper
     if paper.mix is not None and not paper.mix.is_file():
         raise ValueError(f"--mix {paper.mix}: no such file")
     if paper.hostfile is not None and paper.num_gpus is not None:
