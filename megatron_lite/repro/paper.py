@@ -116,6 +116,11 @@ def profile_overrides(settings: ReproSettings) -> list[str]:
     return list(DRY_RUN_MODEL) if settings.dry_run else []
 
 
+def environment(settings: ReproSettings) -> dict[str, str]:
+    """Environment of the launcher: a dry run hides every GPU, so it runs on CPU on a GPU machine too."""
+    return {"CUDA_VISIBLE_DEVICES": ""} if settings.dry_run else {}
+
+
 # ----------------------------------------------------------------------------------------------
 # MFU: measured, given or assumed
 

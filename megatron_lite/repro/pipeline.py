@@ -188,7 +188,7 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
         extra_env = speedrun.environment(settings)
     elif budget is not None:
         train_iters = int(budget["train_iters"])
-        extra_env = {}
+        extra_env = paper.environment(settings)
     else:
         train_iters = planned_train_iters(settings, first, settings.schemes[0])
         extra_env = {}
