@@ -25,7 +25,7 @@ from typing import Any
 
 from megatron_lite.config import Config
 from megatron_lite.files import write_text_atomic
-from megatron_lite.repro.settings import ReproSettings, config_path
+from megatron_lite.repro.settings import REPO_ROOT, SCHEMES, ReproSettings, config_path
 
 PAPER_SAMPLE_TOKENS = 50_000_000_000  # the paper (section 4): a ~50B-token sample (configs/data/paper_mix.yml)
 ASSUMED_MFU = 0.40  # with no measurement: the middle of the 30-50% range docs/run_at_scale.md estimates with
@@ -135,8 +135,6 @@ class MfuEstimate:
 def mfu_from_gpu_check(path: Path) -> MfuEstimate | None:
     """The slowest of the four schemes' training-step MFU in a gpu_check.json (compiled rows where there are
     any): every model must train, so the slowest sets the time. None when no row has an MFU (e.g. --smoke)."""
-    from megatron_lite.repro.settings import SCHEMES
-
     try:
         results = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
@@ -198,7 +196,7 @@ def budget_mfu(settings: ReproSettings) -> MfuEstimate:
 def plan_budget(settings: ReproSettings, config: Config, ranks: int, mfu: MfuEstimate) -> dict[str, Any]:
     """Tokens, steps and hours of the run (every model trains the same steps)."""
     from megatron_lite.model.params import counted_parameter_count
-    from megatron_lite.repro.training import tokens_per_step
+    from megatron_lite.training.deepspeed_config import resolve_batch_sizes
     from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
 
     scheme = settings.schemes[0]
@@ -211,7 +209,8 @@ def plan_budget(settings: ReproSettings, config: Config, ranks: int, mfu: MfuEst
         source = (f"the paper's: {config.train.train_epochs:g} epochs (train.train_epochs of "
                   f"{_shown(config_path(settings, scheme))}) x its ~{PAPER_SAMPLE_TOKENS / 1e9:g}B-token sample "
                   "(section 4)")
-    step_tokens = tokens_per_step(config, ranks)  # ValueError when the global batch does not fit the ranks
+    # ValueError (one line) when the global batch does not divide over the ranks
+    step_tokens = resolve_batch_sizes(config, ranks).tokens_per_step(config.model.seq_length)
     train_iters = max(1, math.ceil(requested / step_tokens))
     per_model = train_iters * step_tokens
     models = len(settings.schemes)
@@ -233,8 +232,6 @@ def plan_budget(settings: ReproSettings, config: Config, ranks: int, mfu: MfuEst
 
 def _shown(path: Path) -> str:
     """``path`` relative to the repository when inside it."""
-    from megatron_lite.repro.settings import REPO_ROOT
-
     return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
 
