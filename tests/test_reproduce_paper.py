@@ -260,7 +260,9 @@ def test_sigterm_reaches_the_ranks_through_the_launcher(tmp_path: Path) -> None:
 
     mix = make_corpus(tmp_path / "corpus")
     out = tmp_path / "out"
-    command = dry_run_command(mix, out, tmp_path / "board.md", "--schemes", "rope", "--tokens", "50M", "--quiet")
+    # a DataLoader worker per rank, as the real configs have: the signal must reach the ranks, not their workers
+    command = dry_run_command(mix, out, tmp_path / "board.md", "--schemes", "rope", "--tokens", "50M", "--quiet",
+                              "--set", "train.num_workers=1")
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "TQDM_DISABLE": "1", "OMP_NUM_THREADS": "1"})
     metrics = out / "runs/rope/metrics.jsonl"
