@@ -51,7 +51,7 @@ def test_plan_splits_the_budget_at_the_slowest_scheme() -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--profile", "cpu-tiny", "--dry-run"], "--dry-run: only the gpu-speedrun profile has one"),
+    (["--profile", "cpu-tiny", "--dry-run"], "--dry-run: only the gpu-speedrun and paper-350m profiles have one"),
     (["--profile", "gpu-speedrun", "--books", "x"], "--books/--eval-books: the gpu-speedrun profile reads"),
     (["--profile", "gpu-speedrun", "--bundle", "/nonexistent.tar.xz"], "--bundle /nonexistent.tar.xz: no such file"),
     (["--profile", "gpu-speedrun"], "--bundle: the gpu-speedrun profile trains on a data bundle"),

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """CoCA reproduction: train ALiBi, RoPE, CoCA slack and CoCA strict models that differ only in the position
-scheme, then evaluate long-context perplexity and passkey retrieval. Two profiles:
+scheme, then evaluate long-context perplexity and passkey retrieval. Three profiles:
 
     # cpu-tiny: 2.9M-parameter models on CPU, books tokenised here (the default profile); --books and
     # --eval-books take a directory of .txt books or a datasets id ID[:SPLIT[:COLUMN]] (written out once
@@ -9,6 +9,9 @@ scheme, then evaluate long-context perplexity and passkey retrieval. Two profile
         --out runs/repro_tiny
     # gpu-speedrun: 25M-parameter models on one GPU from a data bundle (tools/build_data_bundle.py), <= 9 min
     python tools/reproduce.py --profile gpu-speedrun --bundle speedrun_bundle.tar.xz --out runs/speedrun
+    # paper-350m: the paper's four 350M models on all local GPUs (deepspeed launcher), its mix and schedule,
+    # 2 epochs of ~50B tokens each unless --tokens; the budget (tokens, hours on 8 A100 / 8 H100) printed first
+    python tools/reproduce.py --profile paper-350m --eval-books emozilla/pg19-test --out runs/paper350m
 
 Resumable: a finished model is skipped, an interrupted one resumes from its latest checkpoint, and
 evaluation results are cached per cell; --only runs some phases (a run split into calls). Writes
@@ -28,8 +31,10 @@ from megatron_lite import results_board
 from megatron_lite.cli import cli_main, print_error, run_cli
 from megatron_lite.data.book_specs import books_directory
 from megatron_lite.eval.scaling import parse_int_list
-from megatron_lite.repro.settings import (DEFAULT_NTK_FACTORS, DEFAULT_PASSKEY_LENGTHS, DEFAULT_WINDOWS, PHASES,
-                                          PROFILES, SCHEMES, SPEEDRUN_CONFIG_DIR, ReproSettings, SpeedrunBudget)
+from megatron_lite.repro.paper import parse_tokens
+from megatron_lite.repro.settings import (DEFAULT_NTK_FACTORS, DEFAULT_PASSKEY_LENGTHS, DEFAULT_WINDOWS,
+                                          PAPER_CONFIG_DIR, PHASES, PROFILES, SCHEMES, SPEEDRUN_CONFIG_DIR,
+                                          PaperRunSettings, ReproSettings, SpeedrunBudget)
 
 # Per-profile defaults of the flags that differ (None in argparse means "the profile's").
 PROFILE_DEFAULTS: dict[str, dict[str, object]] = {
@@ -41,7 +46,13 @@ PROFILE_DEFAULTS: dict[str, dict[str, object]] = {
     # the speedrun's phases at toy size on CPU (a 32-token model: windows 1x ... 4x)
     "gpu-speedrun dry run": {"windows": [32, 64, 128], "passkey_lengths": [256, 512], "passkey_cases": 1,
                              "max_doc_tokens": 128, "max_docs": 2, "batch_size": 4, "threads": 1},
+    # the paper's Tables 1-2: windows 512 ... 32K (1x ... 64x), stride 512, 100 books truncated to 32K;
+    # passkey 512 ... 32K, 100 cases; batch 1 (a 32K window's logits alone are 6.6 GB in fp32)
+    "paper-350m": {"windows": [512 * 2**i for i in range(7)], "passkey_lengths": [512 * 2**i for i in range(7)],
+                   "passkey_cases": 100, "max_doc_tokens": 32768, "max_docs": 100, "batch_size": 1, "threads": 4},
 }
+PROFILE_DEFAULTS["paper-350m dry run"] = PROFILE_DEFAULTS["gpu-speedrun dry run"]
+DRY_RUN_PROFILES = ("gpu-speedrun", "paper-350m")
 
 
 def _joined(values: list[int] | list[float]) -> str:
@@ -67,14 +78,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--profile", choices=PROFILES, default="cpu-tiny",
                         help="cpu-tiny: 2.9M-parameter models on CPU; gpu-speedrun: 25M-parameter models on one GPU "
-                             "from a data bundle, the step count from a throughput probe")
+                             "from a data bundle, the step count from a throughput probe; paper-350m: the paper's "
+                             "350M models through the deepspeed launcher on all local GPUs (or a hostfile)")
     parser.add_argument("--books", default=None,
                         help="cpu-tiny: training books, a directory of raw Project Gutenberg .txt files (headers are "
                              "stripped) or a datasets id ID[:SPLIT[:COLUMN]] (split train), e.g. "
                              "emozilla/pg19:train")
     parser.add_argument("--eval-books", default=None,
-                        help="cpu-tiny: evaluation books, held out: a directory of .txt books (data/eval: two PG-19 "
-                             "test books shipped with the repository) or a datasets id (split test), e.g. "
+                        help="cpu-tiny, paper-350m: evaluation books, held out: a directory of .txt books (data/eval: "
+                             "two PG-19 test books shipped with the repository) or a datasets id (split test), e.g. "
                              "emozilla/pg19-test (gpu-speedrun: the bundle's)")
     parser.add_argument("--dataset-max-books", type=int, default=100,
                         help="a datasets id given to --books or --eval-books: stream at most this many books")
@@ -86,7 +98,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "it, as the builder wrote it; a bundle with neither is refused)")
     parser.add_argument("--out", type=Path, required=True, help="output directory (data, runs, eval, results)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="gpu-speedrun: every phase at toy size on CPU (a 2-layer model, a few steps)")
+                        help="gpu-speedrun, paper-350m: every phase at toy size on CPU (a 2-layer model, a few steps; "
+                             "paper-350m: 2 ranks through the deepspeed launcher)")
+    paper = parser.add_argument_group("paper-350m")
+    paper.add_argument("--mix", type=Path, default=None,
+                       help="the mix file every model trains on, read in place: yours, e.g. type: megatron sources "
+                            "for your own shards (default: configs/data/paper_mix.yml, the paper's, streamed from "
+                            "the HF hub; a dry run: configs/data/sample_mix.yml, offline)")
+    paper.add_argument("--tokens", default=None,
+                       help="training tokens per model, e.g. 10B (default: the paper's 2 epochs of its ~50B-token "
+                            "sample = 100B)")
+    paper.add_argument("--num-gpus", type=int, default=None,
+                       help="ranks on this node (default: every local GPU; a dry run: 2 CPU ranks)")
+    paper.add_argument("--hostfile", type=Path, default=None,
+                       help="a DeepSpeed hostfile ('HOST slots=N' lines), passed to the launcher: several nodes")
+    paper.add_argument("--master-port", type=int, default=None,
+                       help="the launcher's --master_port (default: DeepSpeed's 29500; a dry run: a free port)")
+    paper.add_argument("--mfu", type=float, default=None,
+                       help="MFU the budget assumes, a fraction (default: measured by --gpu-check or a results-board "
+                            "row, else an assumed 0.40)")
+    paper.add_argument("--gpu-check", type=Path, default=None,
+                       help="a gpu_check.json (tools/gpu_check.py) whose throughput rows give the budget a measured "
+                            "MFU")
     parser.add_argument("--only", default=",".join(PHASES),
                         help="comma list of phases to run (probe: gpu-speedrun only); the earlier ones must be done")
     parser.add_argument("--budget-seconds", type=float, default=SpeedrunBudget.total_seconds,
@@ -132,20 +165,29 @@ def _profile_default(args: argparse.Namespace, name: str) -> object:
     value = getattr(args, name)
     if value is not None:
         return value
-    profile = args.profile + (" dry run" if args.profile == "gpu-speedrun" and args.dry_run else "")
+    profile = args.profile + (" dry run" if args.profile in DRY_RUN_PROFILES and args.dry_run else "")
     default = PROFILE_DEFAULTS[profile][name]
     return _joined(default) if isinstance(default, list) else default  # type: ignore[arg-type]
 
 
 def settings_from_args(args: argparse.Namespace) -> ReproSettings:
-    if args.dry_run and args.profile != "gpu-speedrun":
-        raise ValueError(f"--dry-run: only the gpu-speedrun profile has one (--profile {args.profile})")
-    speedrun = args.profile == "gpu-speedrun"
+    if args.dry_run and args.profile not in DRY_RUN_PROFILES:
+        raise ValueError(f"--dry-run: only the {' and '.join(DRY_RUN_PROFILES)} profiles have one "
+                         f"(--profile {args.profile})")
+    speedrun, paper_run = args.profile == "gpu-speedrun", args.profile == "paper-350m"
     if speedrun and (args.books is not None or args.eval_books is not None):
         raise ValueError("--books/--eval-books: the gpu-speedrun profile reads its books from --bundle")
+    if paper_run and args.books is not None:
+        raise ValueError("--books: the paper-350m profile trains on --mix")
     if not speedrun and (args.bundle is not None or args.bundle_sha256 is not None):
         raise ValueError(f"--bundle/--bundle-sha256: only the gpu-speedrun profile reads a bundle "
                          f"(--profile {args.profile})")
+    paper_flags = {"--mix": args.mix, "--tokens": args.tokens, "--num-gpus": args.num_gpus,
+                   "--hostfile": args.hostfile, "--master-port": args.master_port, "--mfu": args.mfu,
+                   "--gpu-check": args.gpu_check}
+    given = [flag for flag, value in paper_flags.items() if value is not None]
+    if given and not paper_run:
+        raise ValueError(f"{given[0]}: only the paper-350m profile takes it (--profile {args.profile})")
     if args.dataset_max_books < 1:
         raise ValueError(f"--dataset-max-books {args.dataset_max_books}: must be >= 1")
     passkey_lengths = str(_profile_default(args, "passkey_lengths"))
@@ -169,11 +211,16 @@ def settings_from_args(args: argparse.Namespace) -> ReproSettings:
         batch_size=int(_profile_default(args, "batch_size")),  # type: ignore[arg-type]
         threads=int(_profile_default(args, "threads")),  # type: ignore[arg-type]
         seed=args.seed, code_max_documents=args.code_max_documents, overrides=args.overrides,
-        progress=not args.quiet)
+        progress=not args.quiet,
+        paper=PaperRunSettings(mix=args.mix, tokens=None if args.tokens is None else parse_tokens(args.tokens),
+                               num_gpus=args.num_gpus, hostfile=args.hostfile, master_port=args.master_port,
+                               mfu=args.mfu, gpu_check=args.gpu_check, board=None if args.no_board else args.board))
     if args.config_dir is not None:
         settings.config_dir = args.config_dir
     elif speedrun:
         settings.config_dir = SPEEDRUN_CONFIG_DIR
+    elif paper_run:
+        settings.config_dir = PAPER_CONFIG_DIR
     return settings
 
 
@@ -196,10 +243,13 @@ def with_books_on_disk(settings: ReproSettings, args: argparse.Namespace) -> Rep
 def main(argv: list[str] | None = None) -> int:
     from megatron_lite.eval.long_context import EvalOutOfMemory
     from megatron_lite.repro import TrainingFailed, run_reproduction
+    from megatron_lite.repro.pipeline import print_paper_budget
 
     args = parse_args(argv)
     settings = settings_from_args(args)
     board = results_board.board_from_args(args)
+    if settings.profile == "paper-350m":
+        settings = print_paper_budget(settings)  # before anything runs, the eval books' download included
     try:
         results = run_reproduction(with_books_on_disk(settings, args))
     except (TrainingFailed, EvalOutOfMemory) as error:

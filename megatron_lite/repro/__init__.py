@@ -1,9 +1,10 @@
 """Reproduction of the CoCA paper's from-scratch comparison (docs/reproduction.md): profile cpu-tiny
-(issue 8) and the one-GPU speedrun gpu-speedrun (issue 19).
+(issue 8), the one-GPU speedrun gpu-speedrun (issue 19) and the paper's own 350M run paper-350m (issue 31).
 
-``pipeline.run_reproduction`` trains the four models of configs/repro/{tiny,speedrun}/*.yml
+``pipeline.run_reproduction`` trains the four models of configs/repro/{tiny,speedrun,paper350m}/*.yml
 (``training``) and evaluates them; ``settings`` holds the settings, configs and mix file; ``speedrun``
-the speedrun's bundle mix, probe and step count; ``bundle`` builds and unpacks its data bundle;
+the speedrun's bundle mix, probe and step count; ``paper`` the paper run's launcher, token budget and
+its printed arithmetic; ``bundle`` builds and unpacks the speedrun's data bundle;
 ``report`` writes the paper-layout tables and plots. ``tools/reproduce.py`` is the CLI.
 """
 

@@ -1,15 +1,17 @@
 """Train ALiBi / RoPE / CoCA slack / CoCA strict models that differ only in the position scheme,
-then measure their long-context extrapolation (the CoCA paper's Tables 1-3; profiles cpu-tiny and
-gpu-speedrun).
+then measure their long-context extrapolation (the CoCA paper's Tables 1-3; profiles cpu-tiny,
+gpu-speedrun and paper-350m).
 
 Phases, each timed (``OUT/wall_times.json`` keeps every invocation, so a resumed run adds up):
 
 1. ``data``: write ``OUT/data/mix.yml`` (75% Gutenberg books with their headers stripped / 25%
    Python sources, by tokens) and build the tokenizer and shards in ``OUT/data/cache``; the speedrun
-   unpacks and verifies its data bundle and reads the bundle's shards in place instead.
+   unpacks and verifies its data bundle and reads the bundle's shards in place instead; paper-350m
+   prints its budget first (megatron_lite.repro.paper) and tokenises its mix file, read in place.
    ``probe`` (speedrun): a few steps of every scheme set the one step count (megatron_lite.repro.speedrun).
 2. ``train <scheme>``: ``python train.py --config configs/repro/tiny/<scheme>.yml --run-dir
-   OUT/runs/<scheme> --resume auto``, logged to ``OUT/logs/train_<scheme>.log``. A model whose
+   OUT/runs/<scheme> --resume auto`` (paper-350m: through the deepspeed launcher), logged to
+   ``OUT/logs/train_<scheme>.log``. A model whose
    latest complete checkpoint is at ``train_iters`` is skipped; an interrupted one resumes.
 3. ``perplexity <scheme>`` / ``passkey <scheme>``: the long-context evaluation library
    (megatron_lite.eval.long_context) with no scaling and dynamic NTK; every (scaling, window)
@@ -30,9 +32,10 @@ from typing import Any
 import torch
 
 from megatron_lite.files import write_text_atomic
-from megatron_lite.repro.settings import (ReproSettings, absolute, load_scheme_configs, log, mix_document,
-                                          planned_train_iters, run_dir, validate_settings, write_mix)
-from megatron_lite.repro import speedrun
+from megatron_lite.repro.settings import (ReproSettings, absolute, load_scheme_configs, log, mix_document, mix_path,
+                                          planned_train_iters, run_dir, validate_paper_flags, validate_settings,
+                                          write_mix)
+from megatron_lite.repro import paper, speedrun
 from megatron_lite.repro.training import train_scheme
 
 
@@ -109,22 +112,44 @@ class PhaseClock:
 # The whole reproduction
 
 
-def _prepare_profile(settings: ReproSettings) -> tuple[ReproSettings, dict[str, Any]]:
-    """The settings and the mix file's content. The speedrun: its bundle unpacked and verified, the bundle's
-    tokenizer, vocabulary and held-out books, evaluation on CUDA in bf16 where there is one (not in a dry run)."""
+def _prepare_profile(settings: ReproSettings) -> tuple[ReproSettings, dict[str, Any] | None]:
+    """The settings and the mix file's content (None: paper-350m reads its mix in place). The speedrun: its
+    bundle unpacked and verified, the bundle's tokenizer, vocabulary and held-out books. The speedrun and
+    paper-350m evaluate on CUDA in bf16 where there is one (not in a dry run)."""
+    on_cuda = torch.cuda.is_available() and not settings.dry_run
+    if settings.profile == "paper-350m":
+        return (replace(settings, profile_overrides=paper.profile_overrides(settings),
+                        eval_device="cuda" if on_cuda else "cpu", eval_dtype="bf16" if on_cuda else "fp32"), None)
     if settings.profile != "gpu-speedrun":
         return settings, mix_document(settings)
     bundle = speedrun.unpack(settings)
-    on_cuda = torch.cuda.is_available() and not settings.dry_run
     return (replace(settings, eval_books=bundle.eval_books,
                     profile_overrides=speedrun.profile_overrides(settings, bundle),
                     eval_device="cuda" if on_cuda else "cpu", eval_dtype="bf16" if on_cuda else "fp32"),
             speedrun.bundle_mix_document(bundle))
 
 
+def _jsonable(value: Any) -> Any:
+    """``value`` with every Path (nested dataclasses' too, after asdict) as a string."""
+    if isinstance(value, dict):
+        return {key: _jsonable(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(item) for item in value]
+    return str(value) if isinstance(value, Path) else value
+
+
 def _require(settings: ReproSettings, phase: str, done: bool, what: str) -> None:
     if not done:
         raise ValueError(f"--only {','.join(settings.phases)}: the {phase} phase has not run yet ({what}); include it")
+
+
+def print_paper_budget(settings: ReproSettings) -> ReproSettings:
+    """paper-350m: the budget printed now, before evaluation books are fetched (the run keeps it in
+    OUT/budget.json without printing it again); the settings to run with."""
+    validate_paper_flags(absolute(settings))
+    prepared, _ = _prepare_profile(absolute(settings))
+    paper.announce_budget(prepared, load_scheme_configs(prepared))
+    return replace(settings, paper=replace(settings.paper, budget_printed=True))
 
 
 def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
@@ -140,6 +165,7 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
         settings, mix = _prepare_profile(settings)
     configs = load_scheme_configs(settings)
     first = configs[settings.schemes[0]]
+    budget = paper.announce_budget(settings, configs) if settings.profile == "paper-350m" else None
     train_length = first.model.seq_length
     stride = settings.stride or train_length
     if stride > min(settings.windows):
@@ -148,13 +174,21 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
         with clock.phase("data"):
             from megatron_lite.data.preprocess import prepare_data
 
-            write_mix(settings, mix)
+            if mix is not None:
+                write_mix(settings, mix)
+            else:
+                from megatron_lite.data.mix import load_mix
+
+                load_mix(mix_path(settings))  # one line naming a malformed mix, before any tokenising
             prepare_data(first.data, first.model.vocab_size, progress=settings.progress)
     if settings.profile == "gpu-speedrun":
         _require(settings, "data", (settings.out_dir / "data" / "mix.yml").is_file(), "no OUT/data/mix.yml")
         with clock.phase("probe", timed="probe" in settings.phases):
             train_iters = speedrun.planned_iters(settings, configs)
         extra_env = speedrun.environment(settings)
+    elif budget is not None:
+        train_iters = int(budget["train_iters"])
+        extra_env = paper.environment(settings)
     else:
         train_iters = planned_train_iters(settings, first, settings.schemes[0])
         extra_env = {}
@@ -191,13 +225,14 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
 
     with clock.phase("report"):
         results = report.assemble_results(evaluations, training, train_length, train_iters, stride,
-                                          {key: str(value) if isinstance(value, Path) else value
-                                           for key, value in asdict(settings).items()})
+                                          _jsonable(asdict(settings)))
         plots = report.write_plots(results, [case for evaluation in evaluations.values()
                                              for case in evaluation["passkey_cases"]], settings.out_dir)
     results["plots"] = [path.name for path in plots]
     if settings.profile == "gpu-speedrun" and speedrun.probe_path(settings).is_file():
         results["probe"] = json.loads(speedrun.probe_path(settings).read_text())
+    if budget is not None:
+        results["budget"] = budget
     results["wall_seconds"] = dict(clock.current)
     results["wall_seconds_all_invocations"] = clock.all_invocations()
     (settings.out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -29,6 +29,8 @@ Paper, Table 2 (passkey accuracy, CoCA + dynamic NTK, 512 ... 32K): 1.00, 1.00, 
 """
 
 Key = tuple[str, str]  # (model = scheme, scaling name)
+PROFILE_TITLES = {"cpu-tiny": "Tiny CoCA reproduction", "gpu-speedrun": "CoCA speedrun",
+                  "paper-350m": "The CoCA paper's 350M run"}
 
 
 def scaling_name(factor: float) -> str:
@@ -150,7 +152,7 @@ def tables_markdown(results: dict[str, Any], headline_factor: float | None) -> s
     train_length, perplexity, passkey = results["train_length"], results["perplexity"], results["passkey"]
     labels, rotary = display_names(results), rotary_models(results)
     headline_rows = headline_keys(schemes, rotary, headline)
-    title = "Tiny CoCA reproduction" if settings.get("profile", "cpu-tiny") == "cpu-tiny" else "CoCA speedrun"
+    title = PROFILE_TITLES[settings.get("profile", "cpu-tiny")]
     if settings.get("dry_run"):
         title += " (dry run at toy size)"
     parts = [f"# {title}: {', '.join(labels.values())}\n\n"
@@ -180,6 +182,11 @@ def tables_markdown(results: dict[str, Any], headline_factor: float | None) -> s
         parts.append(part)
     if "probe" in results:
         parts.append(probe_section(results["probe"]))
+    if "budget" in results:
+        from megatron_lite.repro.paper import budget_text
+
+        parts.append("## Budget\n\nAs planned before the run (`budget.json`):\n\n```\n"
+                     + budget_text(results["budget"]) + "\n```")
     parts.append("## Wall time\n\n" + wall_time_table(results))
     parts.append("## For comparison\n\n" + PAPER_TABLE_1)
     return "\n\n".join(parts) + "\n"

@@ -1,13 +1,15 @@
 """Settings of the reproduction (both profiles), their validation, the four configs and the data mix file.
 
-Profiles: ``cpu-tiny`` (configs/repro/tiny/*.yml, books read and tokenised here) and ``gpu-speedrun``
+Profiles: ``cpu-tiny`` (configs/repro/tiny/*.yml, books read and tokenised here), ``gpu-speedrun``
 (configs/repro/speedrun/*.yml, a pre-tokenised data bundle, the step count from a throughput probe;
-megatron_lite.repro.speedrun).
+megatron_lite.repro.speedrun) and ``paper-350m`` (configs/repro/paper350m/*.yml: the repository's 350M
+configs, a mix file read in place, the step count from a token budget, every model through the deepspeed
+launcher; megatron_lite.repro.paper).
 
 OUT layout: ``data/mix.yml`` + ``data/cache/`` (tokenizer, shards; the speedrun adds ``data/bundle/``),
 ``runs/<scheme>/`` (train.py run dirs), ``logs/train_<scheme>.log``, ``eval/<scheme>/{perplexity,passkey}/``
 (evaluation outputs and caches), ``results.json``, ``tables.md``, plots, ``wall_times.json``; the speedrun
-also ``probe/`` and ``probe.json``.
+also ``probe/`` and ``probe.json``; paper-350m ``budget.json`` (and no ``data/mix.yml``: its mix is read in place).
 """
 
 from __future__ import annotations
@@ -28,10 +30,13 @@ from megatron_lite.repro.bundle import parse_sha256
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMES = PAPER_LABELS  # the four models, by label (configs repro_<label>.yml)
-PROFILES = ("cpu-tiny", "gpu-speedrun")
-PHASES = ("data", "probe", "train", "eval", "report")  # the speedrun's; cpu-tiny has no probe
+PROFILES = ("cpu-tiny", "gpu-speedrun", "paper-350m")
+PHASES = ("data", "probe", "train", "eval", "report")  # the speedrun's; the other profiles have no probe
 DEFAULT_CONFIG_DIR = REPO_ROOT / "configs" / "repro" / "tiny"
 SPEEDRUN_CONFIG_DIR = REPO_ROOT / "configs" / "repro" / "speedrun"
+PAPER_CONFIG_DIR = REPO_ROOT / "configs" / "repro" / "paper350m"
+PAPER_MIX = REPO_ROOT / "configs" / "data" / "paper_mix.yml"
+SAMPLE_MIX = REPO_ROOT / "configs" / "data" / "sample_mix.yml"  # offline: the paper-350m dry run's default mix
 DEFAULT_WINDOWS = [128 * 2**i for i in range(6)]  # 128 ... 4096: 1x ... 32x the training length
 DEFAULT_PASSKEY_LENGTHS = [128 * 2**i for i in range(5)]  # 128 ... 2048
 DEFAULT_NTK_FACTORS = [2.0, 4.0, 8.0]
@@ -51,6 +56,21 @@ class SpeedrunBudget:
 
 
 @dataclass
+class PaperRunSettings:
+    """The paper-350m profile's own settings (megatron_lite.repro.paper)."""
+
+    mix: Path | None = None  # the mix file, read in place; None: the paper's (a dry run: the offline sample mix)
+    tokens: int | None = None  # training tokens per model; None: the paper's (train.train_epochs x the ~50B sample)
+    num_gpus: int | None = None  # ranks on this node; None: every local GPU (a dry run: 2 CPU ranks)
+    hostfile: Path | None = None  # a DeepSpeed hostfile, passed to the launcher instead of --num_gpus
+    master_port: int | None = None  # the launcher's --master_port; None: DeepSpeed's (a dry run: a free one)
+    mfu: float | None = None  # MFU the budget assumes, given by the user; None: measured (gpu_check/board) or assumed
+    gpu_check: Path | None = None  # a gpu_check.json whose throughput rows give a measured MFU
+    board: Path | None = None  # the results board whose rows may give a measured MFU
+    budget_printed: bool = False  # the CLI printed the budget before fetching evaluation books
+
+
+@dataclass
 class ReproSettings:
     books: Path | None  # cpu-tiny: training books, a directory of raw Project Gutenberg .txt files
     eval_books: Path | None  # evaluation books (PG-19 test): .txt (or parquet) books; the speedrun: the bundle's
@@ -61,6 +81,7 @@ class ReproSettings:
     dry_run: bool = False  # gpu-speedrun at toy size (CPU, fp32): every phase, minutes
     phases: list[str] = field(default_factory=lambda: list(PHASES))  # run only these phases (the rest must be done)
     budget: SpeedrunBudget = field(default_factory=SpeedrunBudget)
+    paper: PaperRunSettings = field(default_factory=PaperRunSettings)
     eval_device: str = "cpu"  # the speedrun: cuda when there is one (not in a dry run)
     eval_dtype: str = "fp32"  # the speedrun on CUDA: bf16
     profile_overrides: list[str] = field(default_factory=list)  # set by the profile (bundle vocab, tokenizer, toy model)
@@ -105,7 +126,40 @@ def check_no_overlap(books: Path, eval_books: Path) -> None:
                          "evaluation books must be held out of training")
 
 
+def _validate_paper_run(settings: ReproSettings) -> None:
+    if settings.eval_books is None:
+        raise ValueError("--eval-books: the paper-350m profile evaluates on held-out books (the paper: PG-19 test, "
+                         "e.g. emozilla/pg19-test)")
+    if not settings.eval_books.exists():
+        raise ValueError(f"--eval-books {settings.eval_books}: no such file or directory")
+    validate_paper_flags(settings)
+
+
+def validate_paper_flags(settings: ReproSettings) -> None:
+    """The paper-350m flags that the budget needs, checked before it is printed (evaluation books may still be a
+    datasets id then)."""
+    paper = settings.paper
+    if paper.mix is not None and not paper.mix.is_file():
+        raise ValueError(f"--mix {paper.mix}: no such file")
+    if paper.hostfile is not None and paper.num_gpus is not None:
+        raise ValueError("--hostfile/--num-gpus: give one (the hostfile names every node's GPU slots)")
+    if paper.hostfile is not None and not paper.hostfile.is_file():
+        raise ValueError(f"--hostfile {paper.hostfile}: no such file")
+    for flag, value in {"--tokens": paper.tokens, "--num-gpus": paper.num_gpus}.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1")
+    if paper.mfu is not None and not 0 < paper.mfu <= 1:
+        raise ValueError(f"--mfu {paper.mfu:g}: a fraction of the peak, in (0, 1]")
+    if paper.gpu_check is not None and not paper.gpu_check.is_file():
+        raise ValueError(f"--gpu-check {paper.gpu_check}: no such file")
+    if settings.train_iters is not None:
+        raise ValueError("--train-iters: the paper-350m profile sets its step count from --tokens")
+
+
 def _validate_sources(settings: ReproSettings) -> None:
+    if settings.profile == "paper-350m":
+        _validate_paper_run(settings)
+        return
     if settings.profile == "gpu-speedrun":
         if settings.bundle is None:
             raise ValueError("--bundle: the gpu-speedrun profile trains on a data bundle (tools/build_data_bundle.py)")
@@ -169,12 +223,17 @@ def absolute(settings: ReproSettings) -> ReproSettings:
     def resolved(path: Path | None) -> Path | None:
         return None if path is None else path.resolve()
 
+    paper = replace(settings.paper, mix=resolved(settings.paper.mix), hostfile=resolved(settings.paper.hostfile),
+                    gpu_check=resolved(settings.paper.gpu_check), board=resolved(settings.paper.board))
     return replace(settings, books=resolved(settings.books), eval_books=resolved(settings.eval_books),
                    bundle=resolved(settings.bundle), out_dir=settings.out_dir.resolve(),
-                   config_dir=settings.config_dir.resolve())
+                   config_dir=settings.config_dir.resolve(), paper=paper)
 
 
 def mix_path(settings: ReproSettings) -> Path:
+    """The mix every model trains on: OUT/data/mix.yml, written by the run; paper-350m reads its mix in place."""
+    if settings.profile == "paper-350m":
+        return settings.paper.mix or (SAMPLE_MIX if settings.dry_run else PAPER_MIX)
     return settings.out_dir / "data" / "mix.yml"
 
 

@@ -20,7 +20,7 @@ from megatron_lite.repro.settings import (REPO_ROOT, ReproSettings, all_override
 from megatron_lite.repro.settings import run_dir as run_dir_of
 from megatron_lite.training.deepspeed_config import resolve_batch_sizes
 
-TRAIN_COMMAND_RANKS = 1  # train_command runs train.py as one process (no launcher): one data-parallel rank
+TRAIN_COMMAND_RANKS = 1  # cpu-tiny / gpu-speedrun: train.py as one process (no launcher), one data-parallel rank
 
 
 class TrainingFailed(RuntimeError):
@@ -44,10 +44,21 @@ def training_status(directory: Path, train_iters: int) -> TrainingStatus:
     return TrainingStatus(step, latest, step == train_iters, int(marker.get("world_size", TRAIN_COMMAND_RANKS)))
 
 
+def launched_through_deepspeed(settings: ReproSettings) -> bool:
+    """paper-350m starts train.py through the deepspeed launcher (every rank); the others run it as one process."""
+    return settings.profile == "paper-350m"
+
+
 def train_command(settings: ReproSettings, scheme: str, train_iters: int, run_dir: Path | None = None) -> list[str]:
     directory = run_dir or run_dir_of(settings, scheme)
-    command = [settings.python, str(REPO_ROOT / "train.py"), "--config", str(config_path(settings, scheme)),
-               "--run-dir", str(directory), "--resume", "auto", "--train-iters", str(train_iters)]
+    if launched_through_deepspeed(settings):
+        from megatron_lite.repro import paper
+
+        command = paper.launcher_prefix(settings, paper.world_size(settings))
+    else:
+        command = [settings.python]
+    command += [str(REPO_ROOT / "train.py"), "--config", str(config_path(settings, scheme)),
+                "--run-dir", str(directory), "--resume", "auto", "--train-iters", str(train_iters)]
     for override in all_overrides(settings):
         command += ["--set", override]
     if settings.profile == "gpu-speedrun":
@@ -57,10 +68,15 @@ def train_command(settings: ReproSettings, scheme: str, train_iters: int, run_di
 
 class _TerminationForwarder:
     """SIGTERM (a scheduler's or ``timeout``'s) reaches only this process, not train.py: pass it on, so
-    train.py saves a checkpoint and exits, then stop like Ctrl-C once it has."""
+    train.py saves a checkpoint and exits, then stop like Ctrl-C once it has.
 
-    def __init__(self, process: subprocess.Popen) -> None:
+    Through the deepspeed launcher on one node (``to_ranks``) the signal goes to the ranks, the children of
+    its launch.py: the runner would die of it without passing it on, and launch.py would pass it on to
+    every process below the ranks too (the DataLoader workers, whose death stops a rank before it saves)."""
+
+    def __init__(self, process: subprocess.Popen, to_ranks: bool = False) -> None:
         self.process = process
+        self.to_ranks = to_ranks
         self.received = False
 
     def __enter__(self) -> _TerminationForwarder:
@@ -69,19 +85,32 @@ class _TerminationForwarder:
 
     def _forward(self, signum: int, frame: object) -> None:
         self.received = True
-        self.process.send_signal(signal.SIGTERM)
+        ranks = self._ranks() if self.to_ranks else []
+        for rank in ranks:
+            rank.send_signal(signal.SIGTERM)
+        if not ranks:
+            self.process.send_signal(signal.SIGTERM)
+
+    def _ranks(self) -> list[Any]:
+        import psutil  # a DeepSpeed requirement
+
+        try:
+            return [rank for launch in psutil.Process(self.process.pid).children() for rank in launch.children()]
+        except psutil.Error:
+            return []
 
     def __exit__(self, *exc: object) -> None:
         signal.signal(signal.SIGTERM, self.previous)
 
 
 def run_logged(command: Sequence[str], log_path: Path, echo: bool, threads: int,
-               extra_env: dict[str, str] | None = None) -> int:
+               extra_env: dict[str, str] | None = None, signal_ranks: bool = False) -> int:
     """Run ``command`` with ``threads`` OpenMP/MKL threads, appending its output to ``log_path`` (and to
     stdout when ``echo``); returns its exit code.
 
-    Ctrl-C reaches train.py too (same process group); a SIGTERM to us is forwarded. Either way train.py
-    saves a checkpoint and exits, we wait for it, and KeyboardInterrupt stops the reproduction.
+    Ctrl-C reaches train.py too (same process group); a SIGTERM to us is forwarded (``signal_ranks``: to the
+    ranks the deepspeed launcher started). Either way train.py saves a checkpoint and exits, we wait for it,
+    and KeyboardInterrupt stops the reproduction.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
@@ -102,7 +131,7 @@ def run_logged(command: Sequence[str], log_path: Path, echo: bool, threads: int,
                     sys.stdout.buffer.write(chunk)
                     sys.stdout.flush()
 
-        with _TerminationForwarder(process) as termination:
+        with _TerminationForwarder(process, to_ranks=signal_ranks) as termination:
             try:
                 pump()
             except KeyboardInterrupt:
@@ -177,7 +206,8 @@ def train_scheme(settings: ReproSettings, scheme: str, config: Config, train_ite
     log_path = settings.out_dir / "logs" / f"train_{scheme}.log"
     log(settings, f"train {scheme}: {action.replace('trained', 'starting')}, {train_iters} steps; log {log_path}")
     exit_code = run_logged(train_command(settings, scheme, train_iters), log_path, settings.progress,
-                           settings.threads, extra_env)
+                           settings.threads, extra_env,
+                           signal_ranks=launched_through_deepspeed(settings) and settings.paper.hostfile is None)
     after = training_status(directory, train_iters)
     if exit_code != 0:
         raise TrainingFailed(f"train.py for {scheme} exited with code {exit_code} (log {log_path}):\n"
