@@ -113,3 +113,27 @@ def convert_to_universal(step_dir: Path, output: Path) -> Path:
 def has_universal(step_dir: Path) -> bool:
     """Whether the step dir holds a committed conversion (its integrity is ``verify_checkpoint``'s to judge)."""
     return (universal_dir(step_dir) / MANIFEST_FILE).is_file()
+
+
+def convert_step_to_universal(input_path: str | os.PathLike[str], output: Path, force: bool = False) -> Path:
+    """``tools/convert_checkpoint.py INPUT OUTPUT --to universal``: the universal checkpoint of a step dir (a run
+    dir: its latest complete one) in ``output``; verified first, as a resume does. ``output`` may be the step
+    dir's own ``universal/``, which a later resume on another number of ranks then reuses. The step dir."""
+    from megatron_lite.checkpoint_integrity import verify_or_raise
+
+    step_dir = checkpoint_dirs.resolve_checkpoint(input_path)
+    if checkpoint_dirs.checkpoint_kind(step_dir) != "step":
+        raise ValueError(f"--to universal: {input_path} is not a DeepSpeed run or step dir")
+    output = output.resolve()
+    if output.exists() and not output.is_dir():
+        raise ValueError(f"OUTPUT {output} exists and is not a directory")
+    if output.exists() and any(output.iterdir()) and not force:
+        raise ValueError(f"OUTPUT {output} is not empty; pass --force to replace its contents")
+    if output != universal_dir(step_dir.resolve()) and step_dir.resolve().is_relative_to(output):
+        raise ValueError(f"OUTPUT {output} contains INPUT {step_dir}; choose another OUTPUT")
+    verify_or_raise(step_dir)  # ds_to_universal unpickles the step dir's files without an allow-list
+    with conversion_lock(step_dir):
+        if output.exists():
+            shutil.rmtree(output)
+        convert_to_universal(step_dir, output)
+    return step_dir

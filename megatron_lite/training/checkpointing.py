@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.checkpoint_integrity import (MANIFEST_FILE, FileRecord, Verification, record_file, safe_load,
@@ -321,14 +323,18 @@ def load_training_state(engine: Any, plan: ResumePlan, optimizer: Any) -> Traini
 
 
 def _restore_param_groups(optimizer: Any, universal_dir: Path) -> None:
-    """Each param group's saved settings (lr, betas, eps, weight decay, ...): DeepSpeed's ZeRO-3 universal load
-    copies group 0's into every group, which would give the no-decay group weight decay."""
+    """Each param group's saved settings (lr, betas, eps, weight decay, ...) and its own Adam step counter.
+    DeepSpeed's ZeRO-3 universal load copies group 0's settings into every group (the no-decay group would get
+    weight decay) and gives every group one shared ``step`` tensor, which each group's update then advances."""
     saved = safe_load(universal_dir / "zero" / "optimizer_state.pt")["param_groups"]  # verified already
     if len(saved) != len(optimizer.param_groups):
         raise ValueError(f"{universal_dir}: {len(saved)} optimizer param groups saved, the run has "
                          f"{len(optimizer.param_groups)}")
     for group, saved_group in zip(optimizer.param_groups, saved):
         group.update({key: value for key, value in saved_group.items() if key != "params"})
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
 
 
 def load_counters(step_dir: Path) -> TrainingState:
