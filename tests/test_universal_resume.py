@@ -40,6 +40,9 @@ NEW_WORLD_SIZES = (1, 4)
 GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay")
 SNAPSHOT = "state_after_load.pt"
 OUTCOMES = "outcomes.json"
+# A staged run (ZeRO 1) resumed inside its first stage: the engine rebuilt at the boundary (step 6) must not
+# load universally (DeepSpeed fixes checkpoint.load_universal at initialize).
+STAGED_RUN = [{"steps": 6, "trainable": ["*"]}, {"steps": 4, "trainable": ["layers.*.attention.query_key_value.*"]}]
 PLANTED = ("zero/embed_in.weight/exp_avg.pt", "zero/optimizer_state.pt", "mp_rank_00_model_states.pt",
            "zero/layers.0.attention.dense.bias/fp32.pt")
 
@@ -56,14 +59,16 @@ def reference_run(root: Path, stage: int, world_size: int) -> Path:
     return root / f"uninterrupted_zero{stage}_on{world_size}"
 
 
-def run_config(root: Path, stage: int, exit_interval: int | None = None) -> Any:
+def run_config(root: Path, stage: int, exit_interval: int | None = None, staged: bool = False) -> Any:
     """14 steps of 16 samples (accumulation derived from the world size), fp32, dropout 0, a checkpoint every
-    5 steps and the last 2 kept; ``exit_interval`` stops it early with a checkpoint."""
+    5 steps and the last 2 kept; ``exit_interval`` stops it early with a checkpoint. ``staged``: ``STAGES_RUN``
+    instead of 14 plain steps."""
     from megatron_lite import config as config_lib
     from training_helpers import tiny_train_config
 
     corpus = json.loads((root / "corpus.json").read_text())
-    data = tiny_train_config(Path(corpus["mix"]), Path(corpus["cache"]), train_iters=TOTAL_STEPS, zero_stage=stage,
+    steps = {"train_iters": None, "stages": STAGED_RUN} if staged else {"train_iters": TOTAL_STEPS}
+    data = tiny_train_config(Path(corpus["mix"]), Path(corpus["cache"]), **steps, zero_stage=stage,
                              gradient_accumulation_steps=None, train_batch_size=16, eval_interval=0, save_interval=5,
                              keep_last_checkpoints=2, record_sample_indices=True, exit_interval=exit_interval)
     data["model"].update(attention_dropout=0.0, hidden_dropout=0.0)
@@ -108,6 +113,22 @@ class CaptureAfterLoad:
         return state
 
 
+class RecordLoadUniversal:
+    """Wraps ``StagedEngine._build``: each engine built since ``start`` and whether DeepSpeed loads it universally."""
+
+    def __init__(self) -> None:
+        from megatron_lite.training.engine import StagedEngine
+
+        real = StagedEngine._build
+        self.flags: list[bool] = []
+
+        def build(engine: Any, model: Any, load_universal: bool) -> None:
+            real(engine, model, load_universal)
+            self.flags.append(bool(engine.engine.load_universal_checkpoint()))
+
+        StagedEngine._build = build  # type: ignore[method-assign]
+
+
 def _train(config: Any, run_dir: Path, **options: Any) -> list[str]:
     """run_training; the notices it gave (rank 0 prints them)."""
     from megatron_lite.console import Notice
@@ -138,6 +159,7 @@ def _save_phase(root: Path) -> dict[str, Any]:
         capture.target = saved_run(root, stage) / SNAPSHOT
         _train(config, root / f"snapshot_zero{stage}", train_iters=SAVED_STEP + 1)
         capture.target = None
+    _train(run_config(root, 1, exit_interval=SAVED_STEP, staged=True), root / "saved_staged", resume="none")
     return {}
 
 
@@ -198,6 +220,11 @@ def _resume_phase(root: Path) -> dict[str, Any]:
         outcomes[f"zero{stage}"] = {"notices": [text for text in notices if "rank(s)" in text],
                                     "step_dir_left": step_dir.exists()}
     outcomes["planted"] = _planted_refusals(root, run_config(root, 1), world_size)
+    builds = RecordLoadUniversal()
+    _copy_on_rank0(root / "saved_staged", root / f"resumed_staged_on{world_size}")
+    _train(run_config(root, 1, staged=True), root / f"resumed_staged_on{world_size}")
+    outcomes["staged_builds"] = list(builds.flags)  # before the uninterrupted run builds its own
+    _train(run_config(root, 1, staged=True), root / f"uninterrupted_staged_on{world_size}", resume="none")
     return outcomes
 
 
@@ -298,6 +325,18 @@ def test_crafted_pickles_in_the_universal_folder_never_run(runs: Path, world_siz
         assert f"universal/{name}: refused to unpickle posix.system" in message, message
     assert "universal/zero/embed_in.weight/extra.pt: not listed in" in planted["zero/embed_in.weight/extra.pt"]
     assert planted["zero/embed_in.weight/extra.pt payload ran"] == "False"
+
+
+@pytest.mark.parametrize("world_size", NEW_WORLD_SIZES)
+def test_the_engine_rebuilt_at_a_stage_boundary_does_not_load_universally(runs: Path, world_size: int) -> None:
+    from training_helpers import train_losses
+
+    assert _outcomes(runs, world_size)["staged_builds"] == [True, False]  # the resume's engine, then stage 2's
+    losses = train_losses(runs / f"resumed_staged_on{world_size}")
+    expected = train_losses(runs / f"uninterrupted_staged_on{world_size}")
+    assert [step for step in losses if step > SAVED_STEP] == list(range(SAVED_STEP + 1, 11))
+    for step in range(SAVED_STEP + 1, 11):
+        assert losses[step] == pytest.approx(expected[step], rel=1e-5, abs=0), step
 
 
 if __name__ == "__main__":

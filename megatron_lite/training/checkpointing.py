@@ -260,9 +260,9 @@ def plan_resume(step_dir: Path, marker: dict[str, Any], config: Config, dist_inf
     if saved_world == dist_info.world_size:
         return ResumePlan(step_dir, False, saved_world)
     moved = f"resuming {step_dir} (saved by {saved_world} rank(s)) on {dist_info.world_size} rank(s)"
-    if saved_zero != zero and 0 in (saved_zero, zero):
+    if saved_zero != zero:  # DeepSpeed names and partitions the files of each stage its own way
         raise ValueError(f"{moved}: train.zero_stage={zero} but the checkpoint is ZeRO {saved_zero}; on another "
-                         "number of ranks a run keeps ZeRO 0, or ZeRO 1-3 (resume once on the old number first)")
+                         "number of ranks a run keeps its ZeRO stage (change it in a resume on the old number)")
     rng_note = _rng_note(saved_world, dist_info.world_size)
     if zero == 0:
         if dist_info.is_main:
