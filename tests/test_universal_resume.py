@@ -339,6 +339,48 @@ def test_the_engine_rebuilt_at_a_stage_boundary_does_not_load_universally(runs: 
         assert losses[step] == pytest.approx(expected[step], rel=1e-5, abs=0), step
 
 
+RACER = """
+import sys, warnings
+from pathlib import Path
+import torch
+from megatron_lite import checkpoint_dirs, config as config_lib
+from megatron_lite.training.checkpointing import plan_resume
+from megatron_lite.training.distributed import DistributedInfo
+step_dir = Path(sys.argv[1])
+print("ready", flush=True)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    plan_resume(step_dir, checkpoint_dirs.read_complete_marker(step_dir), config_lib.load(step_dir / "config.yml"),
+                DistributedInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")))
+print("\\n".join(str(warning.message) for warning in caught if "universal" in str(warning.message)))
+"""
+
+
+def test_two_resumes_racing_to_convert_one_checkpoint_convert_it_once(runs: Path, tmp_path: Path) -> None:
+    """Two processes resume the same 2-rank ZeRO 2 step dir on 1 rank at once (``--resume PATH`` from two run
+    dirs: the run-dir lock does not order them). Both wait on the step dir's lock, held here until both are
+    at it; then one converts and the other reuses its result."""
+    from megatron_lite.checkpoint_integrity import verify_checkpoint
+    from megatron_lite.convert.universal import conversion_lock
+    from training_helpers import REPO
+
+    step_dir = tmp_path / f"step_{SAVED_STEP:08d}"
+    shutil.copytree(saved_run(runs, 2) / "checkpoints" / step_dir.name, step_dir)
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    with conversion_lock(step_dir):
+        racers = [subprocess.Popen([sys.executable, "-c", RACER, str(step_dir)], env=environment, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+        assert [racer.stdout.readline().strip() for racer in racers] == ["ready", "ready"]  # type: ignore[union-attr]
+    said = []
+    for racer in racers:
+        out, err = racer.communicate(timeout=300)
+        assert racer.returncode == 0, err[-3000:]
+        said.append(out.strip())
+    assert sorted("converted it in" in line for line in said) == [False, True], said
+    assert any("(reusing the conversion)" in line for line in said), said
+    assert verify_checkpoint(step_dir).ok and not list(step_dir.glob(".universal.partial-*"))
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="DeepSpeed worker of tests/test_universal_resume.py")
     parser.add_argument("--root", type=Path, required=True)
