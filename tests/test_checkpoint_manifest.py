@@ -77,7 +77,8 @@ def test_a_crafted_pickle_in_the_universal_folder_is_refused_unrun(tmp_path: Pat
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("name", ["universal/zero/final_norm.bias/exp_avg_sq.pt", "extra/rng.pt", "universal/notes.txt"])
+@pytest.mark.parametrize("name", ["universal/zero/final_norm.bias/exp_avg_sq.pt", "extra/rng.pt",
+                                  "universal/notes.txt"])
 def test_a_file_no_manifest_lists_is_refused_unread(tmp_path: Path, name: str) -> None:
     step_dir = make_step_dir(tmp_path)
     marker = tmp_path / "owned"
@@ -126,7 +127,8 @@ def test_version_1_manifests_still_read_and_unknown_ones_are_one_line(tmp_path: 
         f"{step_dir / MANIFEST_FILE}: unreadable manifest (version 3, expected one of (1, 2))"]
     data["version"], data["files"]["../elsewhere.pt"] = 2, data["files"]["mp_rank_00_model_states.pt"]
     (step_dir / MANIFEST_FILE).write_text(json.dumps(data))
-    assert "unreadable manifest (path '../elsewhere.pt' leaves the checkpoint)" in verify_checkpoint(step_dir).problems[0]
+    problem = verify_checkpoint(step_dir).problems[0]
+    assert "unreadable manifest (path '../elsewhere.pt' leaves the checkpoint)" in problem
 
 
 def test_the_universal_conversion_refuses_a_crafted_step_dir_before_deepspeed_reads_it(tmp_path: Path) -> None:

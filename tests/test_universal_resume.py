@@ -339,6 +339,17 @@ def test_the_engine_rebuilt_at_a_stage_boundary_does_not_load_universally(runs: 
         assert losses[step] == pytest.approx(expected[step], rel=1e-5, abs=0), step
 
 
+def test_a_zero0_checkpoint_has_nothing_to_convert(runs: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from script_loading import load_script
+
+    tool = load_script("tools/convert_checkpoint.py")
+    assert tool.main([str(saved_run(runs, 0)), str(tmp_path / "out"), "--to", "universal"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and "\n" not in error and "a ZeRO 0 checkpoint loads on any number" in error
+    assert not (tmp_path / "out").exists()
+
+
 RACER = """
 import sys, warnings
 from pathlib import Path

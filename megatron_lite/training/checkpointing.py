@@ -284,7 +284,9 @@ def _rng_note(saved_world: int, world_size: int) -> str:
     if world_size > saved_world:
         return (f"ranks {saved_world}-{world_size - 1} seed their RNG from (seed, rank, step), the others continue "
                 "their streams")
-    return "rank 0 continues its RNG stream" if world_size == 1 else f"ranks 0-{world_size - 1} continue their RNG streams"
+    if world_size == 1:
+        return "rank 0 continues its RNG stream"
+    return f"ranks 0-{world_size - 1} continue their RNG streams"
 
 
 def _universal_on_rank0(step_dir: Path, dist_info: DistributedInfo) -> bool:

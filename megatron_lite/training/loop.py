@@ -98,7 +98,8 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
         if marker["step"] >= data.total_steps:
             return _already_complete(run_dir, resume_dir, marker, data.total_steps, dist_info)
     changed_tokenizer = _tokenizer_change(config, resume_dir, data.tokenizer_path)
-    plan = (plan_resume(resume_dir, marker, config, dist_info)  # before initialize: DeepSpeed fixes load_universal there
+    # decided before deepspeed.initialize, which fixes checkpoint.load_universal
+    plan = (plan_resume(resume_dir, marker, config, dist_info)
             if resume_dir is not None and not resumes_weights_only(stages, resume_dir, marker) else None)
     staged, _ = start_engine(config, batch_sizes, dist_info, stages, resume_dir, marker,
                              load_universal=plan is not None and plan.universal)
