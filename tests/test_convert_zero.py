@@ -161,23 +161,6 @@ def test_the_cli_names_the_step_it_exported(checkpoints: Path, tmp_path: Path, c
     assert f"(step dir, training step {STEPS}) -> " in capsys.readouterr().out  # a run dir: its latest checkpoint
 
 
-def test_checkpoints_without_universal_info_convert_to_universal(checkpoints: Path, tmp_path: Path) -> None:
-    """DeepSpeed's own saves (as megatron_lite's before it recorded universal_checkpoint_info) convert with
-    --to universal; every parameter's fp32 is the weight the 2-rank engine held."""
-    from safetensors.torch import load_file
-
-    from megatron_lite.checkpoint_integrity import safe_load
-    from script_loading import load_script
-
-    cli = load_script("tools/convert_checkpoint.py")
-    for stage in (1, 2, 3):
-        target = run_dir(checkpoints, stage, 2)
-        output = tmp_path / f"universal_zero{stage}"
-        assert cli.main([str(target), str(output), "--to", "universal"]) == 0
-        for name, tensor in load_file(str(target / LIVE_WEIGHTS)).items():
-            assert torch.equal(safe_load(output / "zero" / name / "fp32.pt")["param"], tensor), (stage, name)
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="DeepSpeed worker of tests/test_convert_zero.py")
     parser.add_argument("--root", type=Path, required=True)

@@ -350,6 +350,32 @@ def test_a_zero0_checkpoint_has_nothing_to_convert(runs: Path, tmp_path: Path,
     assert not (tmp_path / "out").exists()
 
 
+def test_a_checkpoint_saved_without_universal_info_converts_too(runs: Path, tmp_path: Path) -> None:
+    """Checkpoints saved before megatron_lite recorded ``universal_checkpoint_info`` differ from today's by that
+    key alone: without it ds_to_universal asserts, so the conversion injects it (DeepSpeed's own option)."""
+    from megatron_lite.checkpoint_integrity import read_manifest, safe_load, write_manifest
+    from megatron_lite.convert.universal import convert_step_to_universal
+    from megatron_lite.files import file_sha256
+
+    step_dir = tmp_path / f"step_{SAVED_STEP:08d}"
+    shutil.copytree(saved_run(runs, 1) / "checkpoints" / step_dir.name, step_dir)
+    convert_step_to_universal(step_dir, tmp_path / "today")
+    states = step_dir / "mp_rank_00_model_states.pt"
+    older = safe_load(states)
+    del older["universal_checkpoint_info"]
+    torch.save(older, states)
+    records = read_manifest(step_dir)
+    assert records is not None
+    records[states.name].bytes, records[states.name].sha256 = states.stat().st_size, file_sha256(states)
+    write_manifest(step_dir, list(records.values()))
+    convert_step_to_universal(step_dir, tmp_path / "older")
+    today = read_manifest(tmp_path / "today") or {}
+    assert len(today) > 100 and sorted(today) == sorted(read_manifest(tmp_path / "older") or {})
+    for name in today:
+        if name.startswith("zero/"):
+            assert (tmp_path / "today" / name).read_bytes() == (tmp_path / "older" / name).read_bytes(), name
+
+
 RACER = """
 import sys, warnings
 from pathlib import Path
