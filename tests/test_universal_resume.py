@@ -10,10 +10,13 @@ Three launches, each looping over the cases (a launch costs more than a tiny run
    through DeepSpeed's universal checkpoint at ZeRO 1-3) with the state it loaded captured before the first
    step, trained to step 14; and the uninterrupted 14-step run at that world size. Stage 1 also resumes from a
    conversion made ahead by ``tools/convert_checkpoint.py --to universal`` (reused), and crafted pickles are
-   planted in the universal folder (load_universal on: refused before DeepSpeed reads them).
+   planted in the universal folder (load_universal on: refused before DeepSpeed reads them). A staged ZeRO 1
+   run saved at step 4 continues across its stage boundary (step 6) and matches its uninterrupted run.
 
-The state is captured by wrapping ``loop.load_training_state`` (observing the real call's result, gathered
-with DeepSpeed's ``safe_get_full_*``), nothing else is replaced.
+Two observers wrap our own functions and call the real ones: ``loop.load_training_state`` (the loaded state,
+gathered with DeepSpeed's ``safe_get_full_*``) and ``StagedEngine._build`` (whether each engine loads
+universally). DeepSpeed itself is not replaced. The 2-rank checkpoints are also converted in-process (racing
+resumes, the tool on ZeRO 0, a checkpoint without ``universal_checkpoint_info``).
 """
 
 from __future__ import annotations
