@@ -15,6 +15,9 @@ Layout written by the training loop (``megatron_lite.training``)::
           rng_state_rank00000.pt           each rank's RNG state
           MANIFEST.json                    every file's size, sha256 and writing rank (checkpoint_integrity)
           COMPLETE                         marker: every rank finished writing (JSON summary)
+          universal/                       added by a resume on another number of ranks (ZeRO 1-3): DeepSpeed's
+                                           universal checkpoint of this step, with its own MANIFEST.json
+                                           (megatron_lite/convert/universal.py)
 
 A *consolidated* directory holds ``config.yml`` + ``model.safetensors`` (+ the tokenizer, as above);
 ``megatron_lite.weights`` reads and writes one. ``find_tokenizer`` / ``copy_tokenizer`` are the one
@@ -33,6 +36,7 @@ from typing import Any
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 COMPLETE_MARKER = "COMPLETE"
+UNIVERSAL_DIR = "universal"
 CONFIG_FILE = "config.yml"
 TOKENIZER_FILE = "tokenizer.model"  # SentencePiece
 HF_TOKENIZER_FILE = "tokenizer.json"  # Hugging Face tokenizers

@@ -9,15 +9,22 @@ and an allow-list of exactly the DeepSpeed classes its optimizer states pickle
 A training run's DeepSpeed engine also loads through ``safe_load`` itself
 (``megatron_lite.training.checkpoint_engine``).
 
-**Manifest.** ``<step dir>/MANIFEST.json`` lists every file of the checkpoint with its size,
-sha256 and the rank that wrote it (each rank hashes its files while writing them; rank 0 gathers
-the lists and writes the manifest before ``COMPLETE``)::
+**Manifest.** ``<step dir>/MANIFEST.json`` lists every file of the checkpoint, by its path relative
+to the step dir, with its size, sha256 and the rank that wrote it (each rank hashes its files while
+writing them; rank 0 gathers the lists and writes the manifest before ``COMPLETE``)::
 
-    {"version": 1, "files": {"mp_rank_00_model_states.pt": {"bytes": 1234, "sha256": "...", "rank": 0}, ...}}
+    {"version": 2, "files": {"mp_rank_00_model_states.pt": {"bytes": 1234, "sha256": "...", "rank": 0}, ...}}
 
-``verify_checkpoint`` checks a rank's share of it (sizes first, then hashes, then the pickles), so a
-truncated or bit-flipped file is found before anything reads it. Checkpoints written before
-manifests existed have none: their pickles are still checked, their bytes cannot be.
+A subfolder added after the save (``universal/``, DeepSpeed's universal checkpoint made when a run
+continues on another number of ranks) carries its own ``MANIFEST.json``, written before the folder is
+renamed into place, and is checked against it. Version 1 manifests (top-level names only) still read.
+
+``verify_checkpoint`` checks a rank's share of every file under the step dir, recursively (sizes
+first, then hashes, then the pickles), and rank 0 refuses any file that no manifest lists, so a
+truncated, bit-flipped or planted file is found before DeepSpeed reads anything. Hidden staging
+folders of an interrupted conversion (``.<name>.partial-<pid>``) are never read and are skipped.
+Checkpoints written before manifests existed have none: their pickles are still checked, their bytes
+cannot be.
 """
 
 from __future__ import annotations
@@ -38,7 +45,10 @@ from typing import Any, BinaryIO
 from megatron_lite.files import write_json_atomic
 
 MANIFEST_FILE = "MANIFEST.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: paths relative to the manifest's folder, subfolders included; 1: top-level names
+READABLE_MANIFEST_VERSIONS = (1, 2)
+UNLISTED_ALLOWED = (MANIFEST_FILE, "COMPLETE")  # written after the manifest (checkpoint_dirs.COMPLETE_MARKER)
+_STAGING_DIR = re.compile(r"^\..+\.partial-\d+$")  # an atomic write's hidden staging folder
 
 # What DeepSpeed 0.19's checkpoints pickle besides tensors and plain containers (found with
 # torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 0-3 x fp32/bf16 checkpoints; fp16
@@ -117,7 +127,7 @@ def safe_load(path: str | os.PathLike[str], map_location: Any = "cpu", mmap: boo
 
 @dataclass
 class FileRecord:
-    name: str  # relative to the step dir
+    name: str  # path relative to the manifest's folder (posix separators)
     bytes: int
     sha256: str
     rank: int
@@ -143,6 +153,11 @@ class HashingWriter:
         return self._digest.hexdigest()
 
 
+def is_staging_dir(name: str) -> bool:
+    """A hidden ``.<name>.partial-<pid>`` folder: an atomic write in progress, or left by a crash; never read."""
+    return _STAGING_DIR.match(name) is not None
+
+
 def save_hashed(obj: Any, path: Path, rank: int, zipfile_serialization: bool = True) -> FileRecord:
     """``torch.save(obj, path)``, hashing the bytes as they are written (no second read)."""
     import torch
@@ -153,10 +168,18 @@ def save_hashed(obj: Any, path: Path, rank: int, zipfile_serialization: bool = T
     return FileRecord(path.name, writer.size, writer.hexdigest(), rank)
 
 
-def record_file(path: Path, rank: int) -> FileRecord:
-    """A small file written by other means (config, tokenizer): hashed after the write."""
-    digest = hashlib.sha256(path.read_bytes())
-    return FileRecord(path.name, path.stat().st_size, digest.hexdigest(), rank)
+def record_file(path: Path, rank: int, root: Path | None = None) -> FileRecord:
+    """A file written by other means (config, tokenizer, a conversion): hashed after the write; named
+    relative to ``root`` (default: its own folder)."""
+    with open(path, "rb") as handle:
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    name = path.relative_to(root).as_posix() if root is not None else path.name
+    return FileRecord(name, path.stat().st_size, digest, rank)
+
+
+def record_tree(root: Path, rank: int = 0) -> list[FileRecord]:
+    """Every file under ``root`` (a conversion's output, written by one process), hashed."""
+    return [record_file(path, rank, root) for path in sorted(root.rglob("*")) if path.is_file()]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,16 +193,20 @@ def write_manifest(step_dir: Path, records: list[FileRecord]) -> None:
 
 
 def read_manifest(step_dir: Path) -> dict[str, FileRecord] | None:
-    """name -> record; None when the checkpoint has no manifest (written by an older version)."""
+    """relative path -> record; None when the checkpoint has no manifest (written by an older version)."""
     path = step_dir / MANIFEST_FILE
     if not path.is_file():
         return None
     try:
         data = json.loads(path.read_text())
-        if data.get("version") != MANIFEST_VERSION:
-            raise ValueError(f"version {data.get('version')!r}, expected {MANIFEST_VERSION}")
-        return {name: FileRecord(name, int(entry["bytes"]), str(entry["sha256"]), int(entry["rank"]))
-                for name, entry in data["files"].items()}
+        if data.get("version") not in READABLE_MANIFEST_VERSIONS:
+            raise ValueError(f"version {data.get('version')!r}, expected one of {READABLE_MANIFEST_VERSIONS}")
+        records = {name: FileRecord(name, int(entry["bytes"]), str(entry["sha256"]), int(entry["rank"]))
+                   for name, entry in data["files"].items()}
+        escaping = [name for name in records if name.startswith("/") or ".." in Path(name).parts]
+        if escaping:
+            raise ValueError(f"path {escaping[0]!r} leaves the checkpoint")
+        return records
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointIntegrityError(f"{path}: unreadable manifest ({error})") from None
 
@@ -215,32 +242,61 @@ def _check_file(step_dir: Path, record: FileRecord) -> str | None:
     return None
 
 
-def verify_checkpoint(step_dir: Path, rank: int = 0, world_size: int = 1) -> Verification:
-    """This rank's share of the checks of ``step_dir`` (all of them for one process): files written by
-    rank r are checked by rank r % world_size; rank 0 also looks for ``.pt`` files the manifest does not
-    list. Every ``.pt`` in the share is safe-loaded (memory-mapped, so tensors are not read)."""
+def _walk(step_dir: Path) -> tuple[list[Path], dict[Path, list[Path]]]:
+    """(folders holding a manifest: ``step_dir`` first, then subfolders that carry their own; each one's
+    files, relative to it, excluding those of a nested manifest folder). Staging folders are skipped."""
+    parts: list[Path] = [step_dir]
+    files: dict[Path, list[Path]] = {step_dir: []}
+    owners: dict[Path, Path] = {step_dir: step_dir}
+    for folder, subfolders, names in os.walk(step_dir):
+        here = Path(folder)
+        subfolders[:] = sorted(name for name in subfolders if not is_staging_dir(name))
+        if here != step_dir and MANIFEST_FILE in names:
+            parts.append(here)
+            files[here] = []
+            owners[here] = here
+        owner = owners[here]
+        for name in subfolders:
+            owners[here / name] = owner
+        files[owner] += [(here / name).relative_to(owner) for name in sorted(names)]
+    return parts, files
+
+
+def verify_checkpoint(step_dir: Path, rank: int = 0, world_size: int = 1, round_robin: bool = False) -> Verification:
+    """This rank's share of the checks of every file under ``step_dir`` (all of them for one process): files
+    that rank r wrote are checked by rank r % world_size, those of a nested manifest (a conversion) round robin;
+    rank 0 also refuses files that no manifest lists. Every ``.pt`` in the share is safe-loaded (memory-mapped,
+    so tensors are not read); a checkpoint without a manifest gets only that. ``round_robin``: share the
+    top folder's files round robin too (a conversion's output, all written by one process)."""
     result = Verification()
-    try:
-        manifest = read_manifest(step_dir)
-    except CheckpointIntegrityError as error:
-        return Verification([str(error)])
-    pickles = sorted(step_dir.glob("*.pt"))
-    if manifest is None:
-        result.has_manifest = False
-        mine = [path for index, path in enumerate(pickles) if index % world_size == rank]
-    else:
-        share = [record for record in manifest.values() if record.rank % world_size == rank]
+    parts, files = _walk(step_dir)
+    mine: list[Path] = []
+    for part in parts:
+        try:
+            manifest = read_manifest(part)
+        except CheckpointIntegrityError as error:
+            result.problems.append(str(error))
+            continue
+        pickles = [name for name in files[part] if name.suffix == ".pt"]
+        if manifest is None:  # only the step dir itself can lack one: a subfolder counts as a part by its manifest
+            result.has_manifest = False
+            mine += [part / name for index, name in enumerate(pickles) if index % world_size == rank]
+            continue
+        records = sorted(manifest.values(), key=lambda record: record.name)
+        share = [record for index, record in enumerate(records)
+                 if (record.rank if part == step_dir and not round_robin else index) % world_size == rank]
+        failed = set()
         for record in share:
-            problem = _check_file(step_dir, record)
+            problem = _check_file(part, record)
             result.files_checked += 1
             if problem:
                 result.problems.append(problem)
+                failed.add(record.name)
         if rank == 0:
-            result.problems += [f"{path}: not listed in {step_dir / MANIFEST_FILE} (added after the save?)"
-                                for path in pickles if path.name not in manifest]
-        failed = {problem.split(": ", 1)[0] for problem in result.problems}
-        mine = [step_dir / record.name for record in share
-                if record.name.endswith(".pt") and str(step_dir / record.name) not in failed]
+            result.problems += [f"{part / name}: not listed in {part / MANIFEST_FILE} (added after the save?)"
+                                for name in files[part] if name.as_posix() not in manifest
+                                and name.as_posix() not in UNLISTED_ALLOWED]
+        mine += [part / record.name for record in share if record.name.endswith(".pt") and record.name not in failed]
     for path in mine:
         try:
             safe_load(path, mmap=True)

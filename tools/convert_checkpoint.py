@@ -4,10 +4,13 @@
     python tools/convert_checkpoint.py runs/coca_350m hf/coca_350m --to hf            # -> transformers
     python tools/convert_checkpoint.py runs/coca_350m/checkpoints/step_00001000 ckpt --to safetensors
     python tools/convert_checkpoint.py pythia-160m pythia_ml --to megatron_lite [--coca slack]
+    python tools/convert_checkpoint.py runs/coca_350m/checkpoints/step_00001000 ucp --to universal
 
 INPUT is a run dir (latest complete checkpoint), a DeepSpeed step dir (any ZeRO stage, any world
 size), a consolidated dir (config.yml + model.safetensors) or an HF model dir; the line printed
-names the training step exported from a run or step dir. Outputs are safetensors only. A
+names the training step exported from a run or step dir. Outputs are safetensors only, except
+--to universal: DeepSpeed's universal checkpoint of a run or step dir (weights and optimizer state,
+loadable on any number of ranks; STEP/universal is the one a resume on another GPU count makes and reuses). A
 non-empty OUTPUT is refused unless --force. The logic lives in megatron_lite/convert/;
 docs/conversion.md explains every direction.
 """
@@ -27,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("input", help="run dir, step dir, consolidated dir or Hugging Face model dir")
     parser.add_argument("output", help="directory to write (must be empty or absent unless --force)")
     parser.add_argument("--to", required=True, choices=TARGETS,
-                        help="hf: transformers model dir; safetensors / megatron_lite: consolidated dir for load_model and training")
+                        help="hf: transformers model dir; safetensors / megatron_lite: consolidated dir for load_model and "
+                             "training; universal: DeepSpeed universal checkpoint of a run or step dir")
     parser.add_argument("--dtype", default="fp32", choices=list(DTYPES), help="weight dtype of the output (default fp32)")
     parser.add_argument("--force", action="store_true", help="replace a non-empty OUTPUT")
     parser.add_argument("--coca", choices=("slack", "strict"), default=None,

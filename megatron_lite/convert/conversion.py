@@ -5,7 +5,8 @@ checkpoint), a DeepSpeed step dir (any ZeRO stage and world size, consolidated w
 own utilities), a consolidated dir (config.yml + model.safetensors) or a Hugging Face dir.
 
 Targets: ``hf`` (hf_export), ``safetensors`` and ``megatron_lite`` (both a consolidated dir that
-``megatron_lite.weights.load_model`` and training resume from). ``coca`` turns a RoPE model
+``megatron_lite.weights.load_model`` and training resume from), ``universal`` (DeepSpeed's universal
+checkpoint of a step dir, optimizer state included: convert/universal.py). ``coca`` turns a RoPE model
 into a CoCA model (see ``rope_to_coca``).
 
 Weights stream shard by shard (convert/sharded.py: a 7B model is never in memory twice); outputs are
@@ -31,11 +32,12 @@ from megatron_lite.convert.hf_config import uses_stock_model
 from megatron_lite.convert.hf_export import write_hf_metadata
 from megatron_lite.convert.hf_import import import_hf
 from megatron_lite.convert.sharded import open_shards, write_consolidated_shards, write_hf_shards
+from megatron_lite.convert.universal import convert_step_to_universal
 from megatron_lite.model.gpt import DTYPES
 from megatron_lite.model.variants import variant_named, variant_of_position
 from megatron_lite.weights import check_tensors, expected_shapes, load_state_dict, save_consolidated_metadata
 
-TARGETS = ("hf", "safetensors", "megatron_lite")
+TARGETS = ("hf", "safetensors", "megatron_lite", "universal")
 
 
 @dataclass
@@ -124,6 +126,12 @@ def convert_checkpoint(
         raise ValueError(f"--dtype {dtype!r}: must be one of {', '.join(DTYPES)}")
     output = Path(output_path)
     source = Path(input_path)
+    if to == "universal":  # DeepSpeed's own format, for any number of ranks: optimizer state included, no dtype change
+        if coca is not None or dtype != "fp32":
+            raise ValueError("--to universal keeps DeepSpeed's fp32 state as it is: no --coca or --dtype")
+        step_dir = convert_step_to_universal(source, output, force)
+        config = config_lib.load(checkpoint_dirs.step_config_file(step_dir))
+        return ConversionResult(output.resolve(), "step", config, False, checkpoint_dirs.checkpoint_step(step_dir))
     if output.exists() and output.is_dir() and any(output.iterdir()) and not force:  # fail before the slow load
         raise ValueError(f"OUTPUT {output.resolve()} is not empty; pass --force to replace its contents")
     loaded = open_shards(source)

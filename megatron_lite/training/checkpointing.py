@@ -6,6 +6,10 @@ file's size and sha256 (``megatron_lite.checkpoint_integrity``), the COMPLETE ma
 flips ``latest``. A crash at any point leaves the previous complete checkpoint as the one
 ``--resume auto`` finds; a resume first verifies the checkpoint against its manifest (each rank its
 share) and ``auto`` falls back to an older one when that fails.
+
+A run continues on another number of ranks (``plan_resume``): a ZeRO 1-3 checkpoint is converted once
+into DeepSpeed's universal checkpoint inside its step dir (rank 0, under a lock; the other ranks wait),
+verified like the rest, and loaded with ``checkpoint.load_universal``; ZeRO 0 needs no conversion.
 """
 
 from __future__ import annotations
@@ -21,16 +25,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.checkpoint_integrity import (MANIFEST_FILE, FileRecord, Verification, record_file, safe_load,
                                                 save_hashed, verify_checkpoint, write_manifest)
+from megatron_lite.convert import universal
 from megatron_lite.config import Config
 from megatron_lite.console import notice
 from megatron_lite.files import write_text_atomic
 from megatron_lite.training import identity, rng
 from megatron_lite.training.distributed import DistributedInfo, all_gather_objects, all_reduce_sum, barrier
 from megatron_lite.weights import expected_shapes
+
+UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"  # deepspeed.checkpoint.constants: ds_to_universal needs it
 
 # Keys whose change on resume is allowed (with a warning): they do not change tensor shapes.
 SCHEDULE_KEYS = ("train_iters", "train_epochs", "lr", "min_lr", "warmup", "warmup_start_lr", "lr_decay_style",
@@ -113,7 +122,8 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Co
             if faults.fail_save_step == state.step:
                 raise OSError(28, f"No space left on device (fault injection at step {state.step})")
             writer.begin()
-            engine.save_checkpoint(str(checkpoints), tag=tag, client_state=state.to_client_state(), save_latest=False)
+            engine.save_checkpoint(str(checkpoints), tag=tag, save_latest=False, client_state={
+                **state.to_client_state(), UNIVERSAL_CHECKPOINT_INFO: universal.universal_checkpoint_info()})
             if writer.error is not None:
                 raise writer.error
             records = [*writer.written, save_hashed(rng.capture(dist_info.device), _rng_file(step_dir, dist_info.rank),
@@ -158,9 +168,10 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Co
     return step_dir
 
 
-def _verify_everywhere(step_dir: Path, dist_info: DistributedInfo) -> Verification:
-    """Each rank checks its share of ``step_dir`` (the files it would have written); all ranks get every problem."""
-    mine = verify_checkpoint(step_dir, dist_info.rank, dist_info.world_size)
+def _verify_everywhere(step_dir: Path, dist_info: DistributedInfo, round_robin: bool = False) -> Verification:
+    """Each rank checks its share of ``step_dir`` (the files it would have written, or ``round_robin``); all ranks
+    get every problem."""
+    mine = verify_checkpoint(step_dir, dist_info.rank, dist_info.world_size, round_robin)
     everyone = all_gather_objects(mine)
     return Verification([problem for result in everyone for problem in result.problems], mine.has_manifest,
                         sum(result.files_checked for result in everyone), any(result.unsafe for result in everyone))
@@ -231,13 +242,101 @@ def check_resume_compatible(step_dir: Path, config: Config) -> None:
             notice(f"resuming with train.{key} changed from {before} to {after}; the schedule follows the new value")
 
 
-def load_training_state(engine: Any, step_dir: Path) -> TrainingState:
+@dataclass(frozen=True)
+class ResumePlan:
+    """How a verified checkpoint loads on this run's ranks."""
+
+    step_dir: Path
+    universal: bool  # DeepSpeed loads <step_dir>/universal with checkpoint.load_universal (decided before initialize)
+    saved_world_size: int
+
+
+def plan_resume(step_dir: Path, marker: dict[str, Any], config: Config, dist_info: DistributedInfo) -> ResumePlan:
+    """The same world size loads the step dir as saved. Another one: ZeRO 0 loads as saved too (its optimizer
+    state is whole on every rank); ZeRO 1-3 loads the step's universal conversion, made now by rank 0 unless a
+    committed one is there, then verified by all ranks. One notice line says which."""
+    saved_world = int(marker.get("world_size", dist_info.world_size))
+    saved_zero, zero = int(marker.get("zero_stage", config.train.zero_stage)), config.train.zero_stage
+    if saved_world == dist_info.world_size:
+        return ResumePlan(step_dir, False, saved_world)
+    moved = f"resuming {step_dir} (saved by {saved_world} rank(s)) on {dist_info.world_size} rank(s)"
+    if saved_zero != zero:  # DeepSpeed names and partitions the files of each stage its own way
+        raise ValueError(f"{moved}: train.zero_stage={zero} but the checkpoint is ZeRO {saved_zero}; on another "
+                         "number of ranks a run keeps its ZeRO stage (change it in a resume on the old number)")
+    rng_note = _rng_note(saved_world, dist_info.world_size)
+    if zero == 0:
+        if dist_info.is_main:
+            notice(f"{moved}: ZeRO 0 loads as saved; {rng_note}")
+        return ResumePlan(step_dir, False, saved_world)
+    started = time.perf_counter()
+    converted = _universal_on_rank0(step_dir, dist_info)
+    result = _verify_everywhere(universal.universal_dir(step_dir), dist_info, round_robin=True)
+    if not result.ok:
+        raise ValueError(f"{moved}: its universal checkpoint fails verification: {result.summary()}")
+    if dist_info.is_main:
+        how = f"converted it in {time.perf_counter() - started:.1f} s" if converted else "reusing the conversion"
+        notice(f"{moved}: loading DeepSpeed's universal checkpoint {universal.universal_dir(step_dir)} ({how}); "
+               f"{rng_note}")
+    return ResumePlan(step_dir, True, saved_world)
+
+
+def _rng_note(saved_world: int, world_size: int) -> str:
+    if world_size > saved_world:
+        return (f"ranks {saved_world}-{world_size - 1} seed their RNG from (seed, rank, step), the others continue "
+                "their streams")
+    if world_size == 1:
+        return "rank 0 continues its RNG stream"
+    return f"ranks 0-{world_size - 1} continue their RNG streams"
+
+
+def _universal_on_rank0(step_dir: Path, dist_info: DistributedInfo) -> bool:
+    """Rank 0 converts ``step_dir`` unless a committed conversion is there (under the step dir's lock, so a
+    second resume of the same checkpoint waits and then reuses it); every rank learns the outcome.
+    Whether this call converted."""
+    error: Exception | None = None
+    converted = False
+    if dist_info.is_main:
+        try:
+            with universal.conversion_lock(step_dir):
+                if not universal.has_universal(step_dir):
+                    universal.convert_to_universal(step_dir, universal.universal_dir(step_dir))
+                    converted = True
+        except (ValueError, OSError) as caught:
+            error = caught
+    failed = all_reduce_sum([0.0 if error is None else 1.0], dist_info.device)[0]
+    if error is not None:
+        raise ValueError(f"cannot convert {step_dir} to a universal checkpoint: {error}") from error
+    if failed:
+        raise ValueError(f"cannot convert {step_dir} to a universal checkpoint (see rank 0's message)")
+    return converted
+
+
+def load_training_state(engine: Any, plan: ResumePlan, optimizer: Any) -> TrainingState:
     """Model, optimizer and counters from a complete checkpoint (its RNG state: ``restore_rng_state``)."""
-    path, client_state = engine.load_checkpoint(str(step_dir.parent), tag=step_dir.name, load_optimizer_states=True,
-                                                load_lr_scheduler_states=False)
+    step_dir = plan.step_dir
+    tag = checkpoint_dirs.UNIVERSAL_DIR if plan.universal else step_dir.name
+    path, client_state = engine.load_checkpoint(str(step_dir if plan.universal else step_dir.parent), tag=tag,
+                                                load_optimizer_states=True, load_lr_scheduler_states=False)
     if path is None or client_state is None:
         raise ValueError(f"DeepSpeed could not load the checkpoint {step_dir}")
+    if plan.universal:
+        _restore_param_groups(optimizer, universal.universal_dir(step_dir))
     return TrainingState.from_client_state(client_state)
+
+
+def _restore_param_groups(optimizer: Any, universal_dir: Path) -> None:
+    """Each param group's saved settings (lr, betas, eps, weight decay, ...) and its own Adam step counter.
+    DeepSpeed's ZeRO-3 universal load copies group 0's settings into every group (the no-decay group would get
+    weight decay) and gives every group one shared ``step`` tensor, which each group's update then advances."""
+    saved = safe_load(universal_dir / "zero" / "optimizer_state.pt")["param_groups"]  # verified already
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"{universal_dir}: {len(saved)} optimizer param groups saved, the run has "
+                         f"{len(optimizer.param_groups)}")
+    for group, saved_group in zip(optimizer.param_groups, saved):
+        group.update({key: value for key, value in saved_group.items() if key != "params"})
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
 
 
 def load_counters(step_dir: Path) -> TrainingState:
@@ -248,13 +347,18 @@ def load_counters(step_dir: Path) -> TrainingState:
     return TrainingState(**fields)
 
 
-def restore_rng_state(step_dir: Path, dist_info: DistributedInfo) -> None:
+def restore_rng_state(step_dir: Path, dist_info: DistributedInfo, seed: int, step: int) -> None:
     """This rank's RNG state as saved at the checkpoint's step boundary; called last before the first step,
-    so nothing set-up draws (engine, data, wandb) moves the streams that step draws from."""
+    so nothing set-up draws (engine, data, wandb) moves the streams that step draws from. A rank the checkpoint
+    has no state for (a resume on more ranks) seeds from (seed, rank, step)."""
     rng_file = _rng_file(step_dir, dist_info.rank)
     if rng_file.is_file():
         rng.restore(safe_load(rng_file), dist_info.device)
-    missing = all_reduce_sum([0.0 if rng_file.is_file() else 1.0], dist_info.device)[0]
+    else:
+        rng.seed_new_rank(seed, dist_info.rank, step)
+    saved_world = int(checkpoint_dirs.read_complete_marker(step_dir).get("world_size", dist_info.world_size))
+    lost = not rng_file.is_file() and dist_info.rank < saved_world  # a rank that saved, yet its file is absent
+    missing = all_reduce_sum([1.0 if lost else 0.0], dist_info.device)[0]
     if missing and dist_info.is_main:  # counted over ranks: notices print on rank 0 only
-        notice(f"{step_dir}: no RNG state for {int(missing)} of {dist_info.world_size} rank(s) (saved with another "
-               "world size?): their RNG streams restart")
+        notice(f"{step_dir}: no RNG state for {int(missing)} of {dist_info.world_size} rank(s) (saved by an older "
+               "version?): they seed from (seed, rank, step)")

@@ -27,23 +27,24 @@ class StagedEngine:
     ``engine`` and ``optimizer`` change at a stage boundary (``next_stage``): read them from here each step."""
 
     def __init__(self, config: Config, batch_sizes: BatchSizes, dist_info: DistributedInfo, stages: list[Stage],
-                 model: GPT, stage: Stage | None) -> None:
+                 model: GPT, stage: Stage | None, load_universal: bool = False) -> None:
         self.config, self.batch_sizes, self.dist_info, self.stages = config, batch_sizes, dist_info, stages
         self.stage = stage
         self.engine: Any  # deepspeed.DeepSpeedEngine
         self.optimizer: SkippableAdamW
         self.selection: Selection | None  # the stage's trainable parameters; None without train.stages
         self.compiled: bool
-        self._build(model)
+        self._build(model, load_universal)
 
     @property
     def stage_index(self) -> int:
         """The current stage's train.stages index; 0 without stages (as checkpoints record it)."""
         return self.stage.index if self.stage is not None else 0
 
-    def _build(self, model: GPT) -> None:
+    def _build(self, model: GPT, load_universal: bool) -> None:
         """``stage``'s parameters frozen first, so the optimizer and DeepSpeed hold state for its trainable
-        elements only."""
+        elements only. ``load_universal``: the engine's one load will be a universal checkpoint (a resume on
+        another number of ranks); DeepSpeed fixes that at initialize, so only the first engine of a run has it."""
         import deepspeed
 
         from megatron_lite.training import checkpoint_engine
@@ -55,8 +56,9 @@ class StagedEngine:
         model.lm_head.fused = self.config.train.fused_loss
         self.compiled = _compile_in_place(model, self.config, self.dist_info)
         self.optimizer = build_optimizer(model, self.config.train)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
-                                               config=deepspeed_config(self.config, self.batch_sizes))
+        ds_config = deepspeed_config(self.config, self.batch_sizes)
+        ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": load_universal}
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=ds_config)
         checkpoint_engine.install(self.engine, self.dist_info.rank)  # safe loads, hashed writes, no rank left in a barrier
 
     def next_stage(self, saved: Path, step: int) -> None:
@@ -72,7 +74,7 @@ class StagedEngine:
         with torch.random.fork_rng(devices=cuda):  # as in a resume, where the checkpoint's RNG state is restored after
             model = new_model(self.config, self.dist_info)
             load_weights(model, consolidated(saved), f"stage start from {saved}")
-            self._build(model)
+            self._build(model, load_universal=False)  # a stage starts from weights, never from a universal load
         if self.dist_info.is_main:
             self.log_stage()
 
@@ -82,14 +84,23 @@ class StagedEngine:
         console(self.optimizer.groups_summary)
 
 
+def resumes_weights_only(stages: list[Stage], resume_dir: Path | None, marker: dict[str, Any]) -> bool:
+    """Whether a resume takes the checkpoint's weights only: one written at the end of a stage starts the next
+    stage from its weights, with a new engine and fresh optimizer state."""
+    stage = stage_at(stages, marker.get("step", 0)) if stages else None
+    return stage is not None and resume_dir is not None and marker.get("stage", 0) != stage.index
+
+
 def start_engine(config: Config, batch_sizes: BatchSizes, dist_info: DistributedInfo, stages: list[Stage],
-                 resume_dir: Path | None, marker: dict[str, Any]) -> tuple[StagedEngine, bool]:
+                 resume_dir: Path | None, marker: dict[str, Any], load_universal: bool = False
+                 ) -> tuple[StagedEngine, bool]:
     """The engine a run starts with, and whether its resume takes the checkpoint's weights only.
 
     A checkpoint holds the optimizer state of the stage that wrote it (0 in older ones); one written at the
-    end of a stage starts the next stage from its weights, with a new engine and fresh optimizer state."""
+    end of a stage starts the next stage from its weights (``resumes_weights_only``). ``load_universal``: the
+    resume loads the checkpoint's universal conversion (``checkpointing.plan_resume``)."""
     stage = stage_at(stages, marker.get("step", 0)) if stages else None
-    weights_only = stage is not None and resume_dir is not None and marker.get("stage", 0) != stage.index
+    weights_only = resumes_weights_only(stages, resume_dir, marker)
     torch.manual_seed(config.seed)
     model = new_model(config, dist_info)
     for each in stages:  # every stage's patterns checked now, not hours later at its start
@@ -102,7 +113,7 @@ def start_engine(config: Config, batch_sizes: BatchSizes, dist_info: Distributed
     elif weights_only:
         assert resume_dir is not None
         load_weights(model, consolidated(resume_dir), f"stage start from {resume_dir}")
-    return StagedEngine(config, batch_sizes, dist_info, stages, model, stage), weights_only
+    return StagedEngine(config, batch_sizes, dist_info, stages, model, stage, load_universal), weights_only
 
 
 def new_model(config: Config, dist_info: DistributedInfo) -> GPT:

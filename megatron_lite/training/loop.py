@@ -22,13 +22,13 @@ from megatron_lite.console import console, notice
 from megatron_lite.model.params import counted_parameter_count
 from megatron_lite.training import metrics as metrics_lib
 from megatron_lite.training.checkpointing import (
-    TrainingState, check_resume_compatible, find_resume_checkpoint, load_counters, load_training_state, restore_rng_state,
-    save_checkpoint,
+    ResumePlan, TrainingState, check_resume_compatible, find_resume_checkpoint, load_counters, load_training_state,
+    plan_resume, restore_rng_state, save_checkpoint,
 )
 from megatron_lite.training.data import TrainingData, prepare_training_data
 from megatron_lite.training.deepspeed_config import BatchSizes, resolve_batch_sizes
 from megatron_lite.training.distributed import DistributedInfo, init_distributed
-from megatron_lite.training.engine import StagedEngine, start_engine
+from megatron_lite.training.engine import StagedEngine, resumes_weights_only, start_engine
 from megatron_lite.training.identity import TokenizerChange, tokenizer_change
 from megatron_lite.training.reporting import StepReport
 from megatron_lite.training.run_lock import hold_run_dir
@@ -98,8 +98,12 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
         if marker["step"] >= data.total_steps:
             return _already_complete(run_dir, resume_dir, marker, data.total_steps, dist_info)
     changed_tokenizer = _tokenizer_change(config, resume_dir, data.tokenizer_path)
-    staged, weights_only = start_engine(config, batch_sizes, dist_info, stages, resume_dir, marker)
-    state = _starting_state(staged, resume_dir, weights_only, data.total_steps)
+    # decided before deepspeed.initialize, which fixes checkpoint.load_universal
+    plan = (plan_resume(resume_dir, marker, config, dist_info)
+            if resume_dir is not None and not resumes_weights_only(stages, resume_dir, marker) else None)
+    staged, _ = start_engine(config, batch_sizes, dist_info, stages, resume_dir, marker,
+                             load_universal=plan is not None and plan.universal)
+    state = _starting_state(staged, resume_dir, plan, data.total_steps)
     train_loader, valid_loader = data.loaders(config, batch_sizes, dist_info, state.consumed_samples)
     logger = metrics_lib.MetricsLogger(config, run_dir, enabled=dist_info.is_main, start_step=state.step)
     if dist_info.is_main:
@@ -120,7 +124,7 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     iterator = iter(train_loader)
     samples = SampleIndexRecorder(run_dir, dist_info, train.record_sample_indices, state.step)
     if resume_dir is not None:
-        restore_rng_state(resume_dir, dist_info)
+        restore_rng_state(resume_dir, dist_info, config.seed, state.step)
     decision = CONTINUE
     with StopRequest() as stop, report.closed_on_error():
         while state.step < data.total_steps:
@@ -189,13 +193,14 @@ def _with_train_iters(config: Config, total_steps: int) -> Config:
     return dataclasses.replace(config, train=dataclasses.replace(config.train, train_iters=total_steps))
 
 
-def _starting_state(staged: StagedEngine, resume_dir: Path | None, weights_only: bool, total_steps: int
+def _starting_state(staged: StagedEngine, resume_dir: Path | None, plan: ResumePlan | None, total_steps: int
                     ) -> TrainingState:
-    """Fresh counters, or the checkpoint's: with DeepSpeed's model and optimizer state, or (at a stage's start)
-    the counters only."""
+    """Fresh counters, or the checkpoint's: with DeepSpeed's model and optimizer state (``plan``), or (at a
+    stage's start) the counters only."""
     state = TrainingState(total_steps=total_steps)
     if resume_dir is not None:
-        state = load_counters(resume_dir) if weights_only else load_training_state(staged.engine, resume_dir)
+        state = (load_training_state(staged.engine, plan, staged.optimizer) if plan is not None
+                 else load_counters(resume_dir))
         state.total_steps = total_steps
     state.stage = staged.stage_index
     return state

@@ -51,6 +51,15 @@ def restore(state: dict[str, Any], device: torch.device) -> None:
             tracker.set_states(state["deepspeed_cuda_tracker"])
 
 
+def seed_new_rank(seed: int, rank: int, step: int) -> None:
+    """Seed every generator of a rank that has no saved state (a resume on more ranks than saved) from
+    (seed, rank, step): reproducible, and distinct per rank and per resume point."""
+    derived = int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
+    torch.manual_seed(derived)  # the CPU and every CUDA generator
+    np.random.seed(derived)
+    random.seed(derived)
+
+
 def _deepspeed_cuda_tracker() -> Any:
     """DeepSpeed's activation-checkpointing CUDA RNG tracker, or None where DeepSpeed lacks it."""
     try:
