@@ -17,6 +17,7 @@ from megatron_lite.model import GPT
 from megatron_lite.training.deepspeed_config import BatchSizes, deepspeed_config
 from megatron_lite.training.distributed import DistributedInfo
 from megatron_lite.training.optim import SkippableAdamW, build_optimizer
+from megatron_lite.training.sequence_parallel import sequence_parallel_mpu
 from megatron_lite.training.stages import Selection, Stage, apply_selection, select, stage_at, stage_summary
 from megatron_lite.weights import load_state_dict, load_step_state_dict, load_weights
 
@@ -53,9 +54,12 @@ class StagedEngine:
             self.selection = select(model, self.stage.trainable, stage_key(self.stage))
             apply_selection(model, self.selection)
         model.lm_head.fused = self.config.train.fused_loss
+        mpu = sequence_parallel_mpu(self.config.train.sequence_parallel_size)
+        if mpu is not None:
+            model.enable_sequence_parallel(mpu.get_sequence_parallel_group())
         self.compiled = _compile_in_place(model, self.config, self.dist_info)
         self.optimizer = build_optimizer(model, self.config.train)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer,
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, mpu=mpu,
                                                config=deepspeed_config(self.config, self.batch_sizes))
         checkpoint_engine.install(self.engine, self.dist_info.rank)  # safe loads, hashed writes, no rank left in a barrier
 
@@ -130,6 +134,11 @@ def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: Distrib
     """``model.compile()``: the module's own call is compiled, so its state-dict keys stay as they are
     (no ``_orig_mod.`` prefix) and checkpoints move freely between compiled and eager runs."""
     if not use_compile(config, dist_info.device):
+        return False
+    if config.train.sequence_parallel_size > 1:  # DeepSpeed's all-to-all is not traced here
+        if dist_info.is_main:
+            notice("train.compile: not with train.sequence_parallel_size > 1 (DeepSpeed's all-to-all around "
+                   "attention is not compiled); training eagerly")
         return False
     if config.train.zero_stage == 3:  # ZeRO-3 gathers parameters in module hooks that a compiled graph would trace
         if dist_info.is_main:
