@@ -135,11 +135,6 @@ def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: Distrib
     (no ``_orig_mod.`` prefix) and checkpoints move freely between compiled and eager runs."""
     if not use_compile(config, dist_info.device):
         return False
-    if config.train.sequence_parallel_size > 1:  # DeepSpeed's all-to-all is not traced here
-        if dist_info.is_main:
-            notice("train.compile: not with train.sequence_parallel_size > 1 (DeepSpeed's all-to-all around "
-                   "attention is not compiled); training eagerly")
-        return False
     if config.train.zero_stage == 3:  # ZeRO-3 gathers parameters in module hooks that a compiled graph would trace
         if dist_info.is_main:
             notice("train.compile: not with train.zero_stage=3 (its parameter-gathering hooks do not trace); "
