@@ -200,6 +200,8 @@ class GPT(nn.Module):
         (the final length of a generation) or, without a cache, the last position + 1.
         logits_from: skip the LM head before this position; evaluation and decoding need only a
         suffix, and the (T, V) head output is the largest activation at long windows.
+        With sequence parallelism (``enable_sequence_parallel``) the call takes whole sequences and labels
+        and returns their mean loss; this rank computes its T/P tokens.
         """
         parallel = self.sequence_parallel
         if parallel is not None and (labels is None or logits_from):
