@@ -6,6 +6,11 @@ GPU, tokens/s, TFLOP/s and MFU of the 350M config in bf16.
 
     python tools/bench_train.py [--json OUT.json] [--config configs/tiny/rope.yml] [--rounds 5] [--no-compile]
 
+Sequence-parallel mode: per-rank peak memory and tokens/s of a wide tiny model at one long sequence, for
+each sequence-parallel size (one launch of P ranks each; megatron_lite/bench/sequence_parallel_bench.py):
+
+    python tools/bench_train.py --sequence-parallel 1,2,4 [--sequence-length 8192] [--json OUT.json]
+
 The logic lives in megatron_lite/bench/train_bench.py.
 """
 
@@ -44,7 +49,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-schemes", nargs="+", default=list(COMPILE_SCHEMES), choices=list(COMPILE_SCHEMES),
                         metavar="SCHEME", help=f"schemes timed compiled vs eager (default all: {' '.join(COMPILE_SCHEMES)})")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend of the compiled rows")
+    parser.add_argument("--sequence-parallel", default=None, metavar="P,P,...",
+                        help="sequence-parallel mode: these sizes (e.g. 1,2,4), nothing else")
+    parser.add_argument("--sequence-length", type=int, default=8192, help="sequence-parallel mode: the length")
+    parser.add_argument("--sequence-parallel-steps", type=int, default=2,
+                        help="sequence-parallel mode: timed steps per size (median reported)")
     args = parser.parse_args(argv)
+    if args.sequence_parallel is not None:
+        return _sequence_parallel_mode(args)
     for name in ("batch_size", "rounds", "steps_per_round", "gpu_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
@@ -60,6 +72,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result.__dict__, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+def _sequence_parallel_mode(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from megatron_lite.bench.sequence_parallel_bench import format_sequence_parallel, run_sequence_parallel_bench
+
+    try:
+        sizes = [int(size) for size in args.sequence_parallel.split(",")]
+    except ValueError:
+        raise ValueError(f"--sequence-parallel {args.sequence_parallel!r}: must be sizes like 1,2,4") from None
+    if args.sequence_parallel_steps < 1:
+        raise ValueError(f"--sequence-parallel-steps {args.sequence_parallel_steps}: must be >= 1")
+    with tempfile.TemporaryDirectory() as scratch:
+        rows = run_sequence_parallel_bench(sizes, args.sequence_length, args.sequence_parallel_steps, Path(scratch))
+    print(format_sequence_parallel(rows), end="")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([row.__dict__ for row in rows], indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return 0
 

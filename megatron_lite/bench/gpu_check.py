@@ -36,7 +36,7 @@ from megatron_lite.model.variants import LABELS, variant_named
 from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
 
 REPO = Path(__file__).resolve().parents[2]
-SECTIONS = ("env", "parity", "throughput", "memory", "train", "sync")
+SECTIONS = ("env", "parity", "throughput", "memory", "sequence_parallel", "train", "sync")
 SCHEMES = LABELS  # every scheme, by label
 COMPILE_ORDER = ("coca_slack", "coca_strict", "rope", "alibi", "none", "learned", "sinusoidal")
 PARITY_BACKENDS = ("sdpa", "flash", "flex", "chunked")
@@ -541,9 +541,28 @@ def section_sync(settings: CheckSettings, progress: Progress) -> list[dict[str, 
     return rows
 
 
+def section_sequence_parallel(settings: CheckSettings, progress: Progress) -> list[dict[str, Any]]:
+    """Per-GPU peak memory and tokens/s at P = 1, 2, 4, 8 (as many as the GPUs allow) of one long sequence
+    (megatron_lite/bench/sequence_parallel_bench.py); one skipped row with fewer than 2 GPUs."""
+    import tempfile
+
+    from megatron_lite.bench.sequence_parallel_bench import run_sequence_parallel_bench
+
+    gpus = 0 if settings.smoke else torch.cuda.device_count()
+    if gpus < 2:
+        return [{"status": f"skipped: sequence parallelism needs 2 or more GPUs ({gpus} here)"}]
+    sizes = [size for size in (1, 2, 4, 8) if size <= gpus]
+    with tempfile.TemporaryDirectory() as scratch:
+        measured = run_sequence_parallel_bench(sizes, 32768, 3, Path(scratch))
+    rows = [{"status": "ok", **row.__dict__, "peak_vs_p1": row.ratio_to(measured[0])} for row in measured]
+    for row in rows:
+        progress(f"  sequence_parallel: {_row_summary(row)}")
+    return rows
+
+
 SECTION_FUNCTIONS: dict[str, Callable[[CheckSettings, Progress], list[dict[str, Any]]]] = {
     "env": section_env, "parity": section_parity, "throughput": section_throughput, "memory": section_memory,
-    "train": section_train, "sync": section_sync,
+    "sequence_parallel": section_sequence_parallel, "train": section_train, "sync": section_sync,
 }
 
 

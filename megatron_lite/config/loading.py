@@ -173,6 +173,7 @@ def _validate_train(config: Config) -> None:
     _require(full >= 0, f"train.fault_injection.disk_full_bytes={full}: must be >= 0")
     _require(train.train_epochs > 0, f"train.train_epochs={train.train_epochs}: must be positive")
     _require(train.zero_stage in (0, 1, 2, 3), f"train.zero_stage={train.zero_stage}: must be 0, 1, 2 or 3")
+    _validate_sequence_parallel(config)
     _require(train.lr > 0, f"train.lr={train.lr}: must be positive")
     _require(0 <= train.min_lr <= train.lr, f"train.min_lr={train.min_lr}: must be in [0, train.lr={train.lr}]")
     _require(0 <= train.warmup_start_lr <= train.lr,
@@ -186,6 +187,18 @@ def _validate_train(config: Config) -> None:
     if train.peak_tflops is not None:
         _require(train.peak_tflops > 0, f"train.peak_tflops={train.peak_tflops}: must be positive")
     _validate_stages(config)
+
+
+def _validate_sequence_parallel(config: Config) -> None:
+    """train.sequence_parallel_size against the model; the world size is checked when training starts."""
+    size, model = config.train.sequence_parallel_size, config.model
+    _require(size >= 1, f"train.sequence_parallel_size={size}: must be >= 1")
+    _require(model.num_attention_heads % size == 0,
+             f"train.sequence_parallel_size={size} does not divide model.num_attention_heads="
+             f"{model.num_attention_heads} (each rank attends over heads / P heads)")
+    _require(model.seq_length % size == 0,
+             f"train.sequence_parallel_size={size} does not divide model.seq_length={model.seq_length} "
+             "(each rank holds seq_length / P tokens)")
 
 
 def _validate_stages(config: Config) -> None:

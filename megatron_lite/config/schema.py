@@ -372,6 +372,10 @@ class TrainConfig:
         "Set, it must multiply out to train_batch_size on the ranks launched.", default=None
     )
     zero_stage: int = _doc("DeepSpeed ZeRO stage 0-3.", default=0)
+    sequence_parallel_size: int = _doc(
+        "DeepSpeed-Ulysses sequence parallelism: P ranks share each sample, each holding seq_length / P "
+        "consecutive tokens, with an all-to-all around attention (docs/sequence_parallel.md). The launched ranks "
+        "are data-parallel ranks x P; P must divide them, model.seq_length and the attention heads.", default=1)
     compile: bool | None = _doc(
         "torch.compile every block in place (state-dict keys unchanged); null: on with CUDA, off on CPU.",
         default=None,

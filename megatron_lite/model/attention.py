@@ -28,6 +28,7 @@ from megatron_lite.model.context import MaskMode, PositionContext, mask_mode
 from megatron_lite.model.gqa import is_grouped, repeat_kv
 from megatron_lite.model.kv_cache import LayerCache
 from megatron_lite.model.position import PositionScheme
+from megatron_lite.model.rope import RotaryTables
 
 
 def causal_allowed(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
@@ -161,32 +162,68 @@ class AttentionKernel(nn.Module):
     def attend(self, q_BHTD: torch.Tensor, k_BKTD: torch.Tensor, v_BKTD: torch.Tensor, scheme: PositionScheme,
                ctx: PositionContext, cache: LayerCache | None) -> torch.Tensor:
         """(B, H, T, D) attention output from raw projections (k_BKTD: the K or CoCA T slot)."""
+        if ctx.sequence_parallel is not None:
+            return self._attend_sequence_parallel(q_BHTD, k_BKTD, v_BKTD, scheme, ctx)
         slopes_H = scheme.slopes()
-        dropout_p = self.dropout_p if self.training else 0.0
         if self.backend == "reference":
             # The paper path needs raw q and raw k/t; the cache holds raw keys here.
             keys_BKSD, v_BKSD, k_positions = k_BKTD, v_BKTD, ctx.positions
             if cache is not None:
                 keys_BKSD, v_BKSD, k_positions = cache.append(k_BKTD, v_BKTD, ctx.positions)
-            keys_BHSD, v_BHSD = repeat_kv(keys_BKSD, self.num_heads), repeat_kv(v_BKSD, self.num_heads)
-            scores = scheme.reference_scores(q_BHTD, keys_BHSD, ctx.tables, ctx.tables_at(k_positions))
-            return reference_attention(scores, v_BHSD, ctx.positions, k_positions, slopes_H, self.scale,
-                                       ctx.document_ids)
+            return self._reference(q_BHTD, keys_BKSD, v_BKSD, scheme, ctx, ctx.tables, ctx.tables_at(k_positions),
+                                   ctx.positions, k_positions, slopes_H)
         q_BHTD = scheme.transform_query(q_BHTD, ctx.tables)
         keys_BKSD = scheme.transform_key(k_BKTD, ctx.tables)
         v_BKSD, k_positions = v_BKTD, ctx.positions
         if cache is not None:
             keys_BKSD, v_BKSD, k_positions = cache.append(keys_BKSD, v_BKTD, ctx.positions)
+        return self._kernel(q_BHTD, keys_BKSD, v_BKSD, ctx.mask_mode, ctx.positions, k_positions, slopes_H,
+                            ctx.block_mask)
+
+    def _kernel(self, q_BHTD: torch.Tensor, keys_BKSD: torch.Tensor, v_BKSD: torch.Tensor, mode: MaskMode,
+                q_positions: torch.Tensor, k_positions: torch.Tensor, slopes_H: torch.Tensor | None,
+                block_mask: object) -> torch.Tensor:
+        """The configured fused kernel on transformed q', k' and v."""
+        dropout_p = self.dropout_p if self.training else 0.0
         if self.backend == "sdpa":
-            return sdpa_attention(q_BHTD, keys_BKSD, v_BKSD, ctx.mask_mode, ctx.positions, k_positions, slopes_H,
-                                  self.scale, dropout_p)
+            return sdpa_attention(q_BHTD, keys_BKSD, v_BKSD, mode, q_positions, k_positions, slopes_H, self.scale,
+                                  dropout_p)
         if self.backend == "flex":
-            return flex.flex_attention_forward(q_BHTD, keys_BKSD, v_BKSD, ctx.block_mask, ctx.positions, k_positions,
+            return flex.flex_attention_forward(q_BHTD, keys_BKSD, v_BKSD, block_mask, q_positions, k_positions,
                                                slopes_H, self.scale)
         if self.backend == "chunked":
-            return chunked_attention(q_BHTD, keys_BKSD, v_BKSD, ctx.positions, k_positions, slopes_H, self.scale,
+            return chunked_attention(q_BHTD, keys_BKSD, v_BKSD, q_positions, k_positions, slopes_H, self.scale,
                                      self.chunk_size, dropout_p)
         return flash_attention(q_BHTD, keys_BKSD, v_BKSD, slopes_H, self.scale, dropout_p)
+
+    def _reference(self, q_BHTD: torch.Tensor, keys_BKSD: torch.Tensor, v_BKSD: torch.Tensor, scheme: PositionScheme,
+                   ctx: PositionContext, q_tables: RotaryTables | None, k_tables: RotaryTables | None,
+                   q_positions: torch.Tensor, k_positions: torch.Tensor, slopes_H: torch.Tensor | None
+                   ) -> torch.Tensor:
+        """The paper's materialised scores from raw q and raw k/t."""
+        heads = q_BHTD.shape[1]
+        keys_BHSD, v_BHSD = repeat_kv(keys_BKSD, heads), repeat_kv(v_BKSD, heads)
+        scores = scheme.reference_scores(q_BHTD, keys_BHSD, q_tables, k_tables)
+        return reference_attention(scores, v_BHSD, q_positions, k_positions, slopes_H, self.scale, ctx.document_ids)
+
+    def _attend_sequence_parallel(self, q_BHtD: torch.Tensor, k_BKtD: torch.Tensor, v_BKtD: torch.Tensor,
+                                  scheme: PositionScheme, ctx: PositionContext) -> torch.Tensor:
+        """This rank's T/P tokens, all heads: the position transform at the slice's global positions, then
+        DeepSpeed's all-to-all around the kernel, which runs on H/P heads over the whole sequence
+        (model/sequence_parallel.py)."""
+        parallel, positions = ctx.sequence_parallel, ctx.kernel_positions
+        assert parallel is not None and positions is not None
+        slopes_H = scheme.slopes()
+        slopes_h = None if slopes_H is None else slopes_H[parallel.heads]  # ALiBi slopes of this rank's heads
+
+        if self.backend == "reference":  # raw q and k/t travel; the whole sequence's tables after the exchange
+            tables = ctx.tables_at(positions)
+            return parallel.attend(q_BHtD, k_BKtD, v_BKtD, lambda q, k, v: self._reference(
+                q, k, v, scheme, ctx, tables, tables, positions, positions, slopes_h))
+        q_BHtD = scheme.transform_query(q_BHtD, ctx.tables)
+        keys_BKtD = scheme.transform_key(k_BKtD, ctx.tables)
+        return parallel.attend(q_BHtD, keys_BKtD, v_BKtD, lambda q, k, v: self._kernel(
+            q, k, v, "causal", positions, positions, slopes_h, ctx.block_mask))
 
 
 class SelfAttention(AttentionKernel):

@@ -14,6 +14,7 @@ from megatron_lite.config import AttentionConfig
 from megatron_lite.model import flex
 from megatron_lite.model.position import PositionScheme
 from megatron_lite.model.rope import RotaryEmbedding, RotaryTables
+from megatron_lite.model.sequence_parallel import SequenceParallel, SequenceShard
 
 # Which keys a query sees, decided from the call's structure (never by reading device tensors, which
 # would be a host sync per layer on a GPU and a graph break under torch.compile):
@@ -37,6 +38,10 @@ class PositionContext:
     last_position: int | None = None  # the last position when the call's structure tells it (no explicit positions)
     document_ids: torch.Tensor | None = None  # (B, T) document of each token (model.attention.document_mask)
     block_mask: Any = None  # FlexAttention BlockMask (backend flex), shared by all layers
+    # Sequence parallelism: the group, and the whole sequence's (T,) positions, which the kernel sees after
+    # the all-to-all (``positions`` and ``tables`` are this rank's slice; ``document_ids`` the whole sequence's)
+    sequence_parallel: SequenceParallel | None = None
+    kernel_positions: torch.Tensor | None = None
 
     def tables_at(self, positions: torch.Tensor) -> RotaryTables | None:
         if self.rotary is None or self.tables is None:
@@ -54,7 +59,8 @@ def mask_mode(cached: int, length: int) -> MaskMode:
 def build_context(scheme: PositionScheme, attention: AttentionConfig, input_ids_BT: torch.Tensor,
                   positions_T: torch.Tensor | None = None, cached_positions: torch.Tensor | None = None,
                   rope_length: int | None = None, cache_max_length: int | None = None,
-                  table_dtype: torch.dtype = torch.float32) -> PositionContext:
+                  table_dtype: torch.dtype = torch.float32, sequence_parallel: SequenceParallel | None = None
+                  ) -> PositionContext:
     """The per-forward state of one call: positions, rotary tables, mask mode, document ids and
     (backend flex) the block mask. Everything is decided from the call's structure (cache or not,
     lengths); the only device read is the last of explicit ``positions_T``, and only when the dynamic-NTK
@@ -63,7 +69,14 @@ def build_context(scheme: PositionScheme, attention: AttentionConfig, input_ids_
     cached_positions: (S0,) positions already in the KV cache (None or empty: no cache content).
     rope_length: the length that fixes the dynamic-NTK base; default ``cache_max_length`` (the final
     length of a generation) or the last position + 1.
+    sequence_parallel: ``input_ids_BT`` is the whole sequence, of which this rank holds its slice
+    (model/sequence_parallel.py); no cache, no explicit positions.
     """
+    if sequence_parallel is not None:
+        if cached_positions is not None or positions_T is not None or cache_max_length is not None:
+            raise ValueError("sequence parallelism: a forward over whole training sequences only (no KV cache, "
+                             "no explicit positions); generate with a model without it")
+        return _sharded_context(scheme, attention, input_ids_BT, sequence_parallel, rope_length, table_dtype)
     length, device = input_ids_BT.shape[1], input_ids_BT.device
     cached = 0 if cached_positions is None else int(cached_positions.shape[0])
     last_position: int | None = None
@@ -95,3 +108,25 @@ def build_context(scheme: PositionScheme, attention: AttentionConfig, input_ids_
     return PositionContext(positions=positions_T, rope_length=rope_length, rotary=rotary, tables=tables,
                            mask_mode=mode, last_position=last_position, document_ids=document_ids,
                            block_mask=block_mask)
+
+
+def _sharded_context(scheme: PositionScheme, attention: AttentionConfig, input_ids_BT: torch.Tensor,
+                     sequence_parallel: SequenceParallel, rope_length: int | None, table_dtype: torch.dtype
+                     ) -> PositionContext:
+    """Sequence parallelism: this rank's slice of global positions and their rotary tables; the whole
+    sequence's positions, document ids and block mask for the kernel after the all-to-all."""
+    shard: SequenceShard = sequence_parallel.shard(input_ids_BT.shape[1])
+    device = input_ids_BT.device
+    positions_T = shard.positions(device)  # (T/P,) global positions of this rank's tokens
+    all_positions = shard.global_positions(device)  # (T,)
+    rope_length = shard.global_length if rope_length is None else rope_length  # dynamic NTK: the whole sequence
+    rotary = scheme.rotary
+    tables = rotary.tables(positions_T, rope_length, table_dtype) if rotary is not None else None
+    # every rank holds the whole sequence's ids, so its document mask needs no gather
+    document_ids = flex.document_ids(input_ids_BT, attention.eod_token_id) if attention.document_mask else None
+    block_mask = (flex.build_block_mask(all_positions, all_positions, document_ids, document_ids)
+                  if attention.backend == "flex" else None)
+    return PositionContext(positions=positions_T, rope_length=rope_length, rotary=rotary, tables=tables,
+                           mask_mode="causal", last_position=shard.start + shard.length - 1,
+                           document_ids=document_ids, block_mask=block_mask, sequence_parallel=sequence_parallel,
+                           kernel_positions=all_positions)

@@ -26,6 +26,7 @@ from megatron_lite.model.kv_cache import KVCache, LayerCache
 from megatron_lite.model.loss import LMHead
 from megatron_lite.model.position import PositionScheme, build_position_scheme, build_rotary
 from megatron_lite.model.rope import RotaryEmbedding
+from megatron_lite.model.sequence_parallel import SequenceParallel
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -128,6 +129,7 @@ class GPT(nn.Module):
         self.final_layer_norm: nn.Module = (RMSNorm(config.hidden_size, config.layernorm_epsilon) if config.is_llama
                                             else nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon))
         self.lm_head = LMHead(config.hidden_size, config.padded_vocab_size)
+        self.sequence_parallel: SequenceParallel | None = None  # enable_sequence_parallel
         if not config.no_weight_tying:
             self.lm_head.weight = self.embed_in.weight
         self.reset_parameters()
@@ -171,6 +173,11 @@ class GPT(nn.Module):
         self.config = config
         self.position.rotary = build_rotary(config)
 
+    def enable_sequence_parallel(self, group: torch.distributed.ProcessGroup) -> None:
+        """Train with DeepSpeed-Ulysses sequence parallelism over ``group`` (model/sequence_parallel.py): each
+        forward takes whole (B, T) sequences and returns their mean loss, computing this rank's T/P tokens."""
+        self.sequence_parallel = SequenceParallel(group, self.config.num_attention_heads, self.config.kv_heads)
+
     def new_cache(self, max_length: int) -> KVCache:
         return KVCache(self.config.num_layers, max_length)
 
@@ -193,10 +200,21 @@ class GPT(nn.Module):
         (the final length of a generation) or, without a cache, the last position + 1.
         logits_from: skip the LM head before this position; evaluation and decoding need only a
         suffix, and the (T, V) head output is the largest activation at long windows.
+        With sequence parallelism (``enable_sequence_parallel``) the call takes whole sequences and labels
+        and returns their mean loss; this rank computes its T/P tokens.
         """
+        parallel = self.sequence_parallel
+        if parallel is not None and (labels is None or logits_from):
+            raise ValueError("sequence parallelism: the forward returns the loss of whole sequences only "
+                             "(labels, logits_from=0); evaluate or generate with a model without it")
         ctx = build_context(self.position, self.config.attention, input_ids_BT, positions,
                             cache.cached_positions() if cache is not None else None, rope_length,
-                            cache.max_length if cache is not None else None, self.embed_in.weight.dtype)
+                            cache.max_length if cache is not None else None, self.embed_in.weight.dtype,
+                            sequence_parallel=parallel)
+        all_labels_BT = labels
+        if parallel is not None:  # (B, T) -> (B, T/P): this rank's tokens (model/sequence_parallel.py)
+            shard = parallel.shard(input_ids_BT.shape[1])
+            input_ids_BT, labels = shard.local(input_ids_BT), shard.local(labels)
 
         x_BTC = self.embed_in(input_ids_BT)
         position_embedding = self.position.embed(ctx.positions, ctx.last_position)
@@ -209,7 +227,11 @@ class GPT(nn.Module):
                 x_BTC = checkpoint(layer, x_BTC, self.position, ctx, None, use_reentrant=False)
             else:
                 x_BTC = layer(x_BTC, self.position, ctx, layer_cache)
-        return self.lm_head(self.final_layer_norm(x_BTC[:, logits_from:]), labels)
+        output = self.lm_head(self.final_layer_norm(x_BTC[:, logits_from:]), labels)
+        if parallel is not None:
+            assert labels is not None and all_labels_BT is not None
+            return parallel.sequence_loss(output, labels, all_labels_BT)
+        return output
 
 
 def language_model_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

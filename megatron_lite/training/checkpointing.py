@@ -143,6 +143,7 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Co
                                 for path in checkpoint_dirs.copy_tokenizer(tokenizer_path, step_dir)]
                 write_manifest(step_dir, records)
                 marker = {**state.__dict__, "world_size": dist_info.world_size,
+                          "sequence_parallel_size": dist_info.sequence_parallel_size,
                           "zero_stage": config.train.zero_stage, "precision": config.precision,
                           "seconds": round(time.perf_counter() - started, 3), **(ending or {})}
                 write_text_atomic(step_dir / checkpoint_dirs.COMPLETE_MARKER, json.dumps(marker, indent=2) + "\n")

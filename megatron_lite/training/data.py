@@ -34,8 +34,9 @@ class TrainingData:
         num_valid = validation_samples(config) if train.eval_interval else 0
         train_set, valid_set = build_train_valid_datasets(
             config.data, config.model.seq_length, self.manifest, self.total_steps * batch.global_batch_size, num_valid,
-            rank=dist_info.rank, world_size=dist_info.world_size, consumed_samples=consumed_samples, mix=self.mix)
-        common = {"batch_size": batch.micro_batch_size, "seed": config.seed, "rank": dist_info.rank}
+            rank=dist_info.data_parallel_rank, world_size=dist_info.data_parallel_size,
+            consumed_samples=consumed_samples, mix=self.mix)  # a sequence-parallel group shares its samples
+        common = {"batch_size": batch.micro_batch_size, "seed": config.seed, "rank": dist_info.data_parallel_rank}
         train_loader = sample_loader(train_set, **common, purpose="train", num_workers=train.num_workers)
         # every rank's share has the same length (padded), so the same number of batches, the last maybe short
         valid_loader = (None if valid_set is None else

@@ -103,4 +103,12 @@ def deepspeed_config(config: Config, batch: BatchSizes) -> dict[str, Any]:
         generated["bf16"] = {"enabled": True}
     elif config.precision == "fp16":
         generated["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": train.initial_loss_scale_power}
-    return _merge(generated, train.deepspeed)
+    if train.sequence_parallel_size > 1 and train.zero_stage == 3:
+        # ZeRO-3's reduce-scatter divides by data-parallel x P ranks, not the data-parallel ranks: gradients would be
+        # P x too small (training/sequence_parallel.py); its all-reduce path divides right
+        generated["zero_optimization"]["reduce_scatter"] = False
+    merged = _merge(generated, train.deepspeed)
+    if train.sequence_parallel_size > 1 and train.zero_stage == 3 and merged["zero_optimization"].get("reduce_scatter"):
+        raise ValueError("train.deepspeed.zero_optimization.reduce_scatter=true: not with train.sequence_parallel_size > 1 "
+                         "at ZeRO-3 (its gradients would be P times too small)")
+    return merged

@@ -17,10 +17,26 @@ class DistributedInfo:
     local_rank: int
     world_size: int
     device: torch.device
+    # train.sequence_parallel_size P: consecutive ranks [g P, (g + 1) P) share data-parallel rank g's samples
+    sequence_parallel_size: int = 1
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks that train on different samples: world / P."""
+        return self.world_size // self.sequence_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank // self.sequence_parallel_size
+
+    @property
+    def sequence_parallel_rank(self) -> int:
+        """Which slice of its samples' tokens this rank holds."""
+        return self.rank % self.sequence_parallel_size
 
 
 def _free_port() -> int:

@@ -17,6 +17,7 @@ from megatron_lite.model import GPT
 from megatron_lite.training.deepspeed_config import BatchSizes, deepspeed_config
 from megatron_lite.training.distributed import DistributedInfo
 from megatron_lite.training.optim import SkippableAdamW, build_optimizer
+from megatron_lite.training.sequence_parallel import sequence_parallel_mpu
 from megatron_lite.training.stages import Selection, Stage, apply_selection, select, stage_at, stage_summary
 from megatron_lite.weights import load_state_dict, load_step_state_dict, load_weights
 
@@ -54,11 +55,14 @@ class StagedEngine:
             self.selection = select(model, self.stage.trainable, stage_key(self.stage))
             apply_selection(model, self.selection)
         model.lm_head.fused = self.config.train.fused_loss
+        mpu = sequence_parallel_mpu(self.config.train.sequence_parallel_size)
+        if mpu is not None:
+            model.enable_sequence_parallel(mpu.get_sequence_parallel_group())
         self.compiled = _compile_in_place(model, self.config, self.dist_info)
         self.optimizer = build_optimizer(model, self.config.train)
         ds_config = deepspeed_config(self.config, self.batch_sizes)
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": load_universal}
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=ds_config)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, mpu=mpu, config=ds_config)
         checkpoint_engine.install(self.engine, self.dist_info.rank)  # safe loads, hashed writes, no rank left in a barrier
 
     def next_stage(self, saved: Path, step: int) -> None:

@@ -34,6 +34,7 @@ from megatron_lite.training.reporting import StepReport
 from megatron_lite.training.run_lock import hold_run_dir
 from megatron_lite.training.sample_record import SampleIndexRecorder
 from megatron_lite.training.schedule import run_learning_rate
+from megatron_lite.training.sequence_parallel import with_sequence_parallel
 from megatron_lite.training.stages import Stage, plan_stages
 from megatron_lite.training.step import micro_batches, take_step
 from megatron_lite.training.stopping import CONTINUE, Action, Decision, StepEnd, StopPolicies, StopRequest
@@ -73,8 +74,8 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
     ``wait_for_lock``: seconds to wait for another run holding ``run_dir`` (train.py --wait-for-lock)."""
     stages = plan_stages(config.train)
     train_iters = _staged_train_iters(stages, train_iters)  # ValueError before DeepSpeed starts
-    dist_info = init_distributed()
-    batch_sizes = resolve_batch_sizes(config, dist_info.world_size)  # ValueError before any work
+    dist_info = with_sequence_parallel(init_distributed(), config.train.sequence_parallel_size)
+    batch_sizes = resolve_batch_sizes(config, dist_info.data_parallel_size)  # ValueError before any work
     with hold_run_dir(run_dir, dist_info.is_main, dist_info.device, wait_for_lock):  # before anything is written
         return _train(config, run_dir, dist_info, batch_sizes, stages, resume, train_iters, verify_data)
 
@@ -213,7 +214,9 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
     console(
         f"model: {counted_parameter_count(config.model):,} parameters, scheme {config.model.position.label}, "
         f"precision {config.precision}{' (compiled)' if staged.compiled else ''}, ZeRO {config.train.zero_stage}, "
-        f"{dist_info.world_size} rank(s) on "
+        f"{dist_info.world_size} rank(s)"
+        + (f" (sequence parallel {dist_info.sequence_parallel_size})" if dist_info.sequence_parallel_size > 1 else "")
+        + " on "
         f"{dist_info.device.type}; {batch_sizes.describe()}; {data.total_steps} steps "
         f"({data.steps_source}); run dir {run_dir}"
         + (f"; resumed from {resume_dir} at step {state.step}" if resume_dir else ""))

@@ -20,6 +20,7 @@ SAMPLE_INDICES_FILE = "sample_indices.jsonl"
 class SampleIndexRecorder:
     def __init__(self, run_dir: Path, dist_info: DistributedInfo, enabled: bool, start_step: int) -> None:
         self.enabled, self.is_main = enabled, dist_info.is_main
+        self.sequence_parallel_rank = dist_info.sequence_parallel_rank
         self.path = run_dir / SAMPLE_INDICES_FILE
         if enabled and self.is_main:
             self._drop_rows_after(start_step)
@@ -36,7 +37,9 @@ class SampleIndexRecorder:
         """Called by every rank (it gathers) with the step's micro batches, before the step is counted."""
         if not self.enabled:
             return
-        mine = [int(index) for batch in micro_batches for index in batch["index"]]
+        # a sequence-parallel group's ranks share their samples: its first rank speaks for it
+        mine = ([int(index) for batch in micro_batches for index in batch["index"]]
+                if self.sequence_parallel_rank == 0 else [])
         everyone = sorted(index for indices in all_gather_objects(mine) for index in indices)
         if self.is_main:
             with self.path.open("a") as file:
