@@ -3,8 +3,9 @@
   * P=2 x data-parallel 2 on 4 ranks trains as data-parallel 2 on 2 ranks does: the same samples each step,
     the same losses, validation losses and weights to 1e-5;
   * an exact resume at the same P is bitwise the run that never stopped;
-  * resuming at another P: the P=2 checkpoint at P=1 (2 ranks) and the P=1 checkpoint at P=2 (2 ranks, one
-    data-parallel rank, so 4 micro batches of accumulation keep the global batch) continue the same trace;
+  * resuming at another P (ZeRO 1): the P=2 checkpoint at P=1 (4 ranks -> 2, through the universal checkpoint)
+    and the P=1 checkpoint at P=2 (2 ranks, one data-parallel rank, so 4 micro batches of accumulation keep the
+    global batch) continue the same trace;
   * KV-cache generation from the P=2-trained checkpoint equals the P=1-trained one's.
 """
 
@@ -30,9 +31,10 @@ SEQUENCE_PARALLEL_2 = ("--set", "train.sequence_parallel_size=2")
 
 
 def run_config(mix: Path, cache: Path) -> dict[str, Any]:
-    """8 steps of 16 samples (accumulation derived from the data-parallel ranks), saves at 4 and 8."""
+    """8 steps of 16 samples (accumulation derived from the data-parallel ranks), saves at 4 and 8; ZeRO 1, so
+    the 4-rank P=2 checkpoint resumed on 2 ranks goes through DeepSpeed's universal checkpoint."""
     return tiny_train_config(mix, cache, train_batch_size=16, gradient_accumulation_steps=None,
-                             record_sample_indices=True, eval_interval=4)
+                             record_sample_indices=True, eval_interval=4, zero_stage=1)
 
 
 def val_losses(run_dir: Path) -> dict[int, float]:
@@ -100,6 +102,8 @@ def test_resume_at_another_sequence_parallel_size_continues_the_trace(runs: dict
                                                                       reference: str) -> None:
     assert_close_trace(train_losses(runs[resumed]), train_losses(runs[reference]))
     assert read_sample_indices(runs[resumed]) == read_sample_indices(runs[reference])
+    converted = (runs[resumed] / checkpoint_dirs.CHECKPOINTS_DIR / checkpoint_dirs.step_tag(4) / "universal").is_dir()
+    assert converted == (resumed == "p2_to_p1")  # 4 ranks -> 2: universal; 2 ranks -> 2: loaded as saved
 
 
 def test_generation_from_a_sequence_parallel_checkpoint(runs: dict[str, Path]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from types import ModuleType
+from typing import Any
 
 from megatron_lite.training.distributed import DistributedInfo
 
@@ -25,7 +26,26 @@ def with_sequence_parallel(dist_info: DistributedInfo, size: int) -> Distributed
     return dataclasses.replace(dist_info, sequence_parallel_size=size)
 
 
-def sequence_parallel_mpu(size: int) -> ModuleType | None:
+class UlyssesMpu:
+    """DeepSpeed's Ulysses mpu, which aliases model parallelism to sequence parallelism (so ZeRO counts each
+    replicated gradient once per sequence-parallel group in the norm), plus a tensor-parallel degree of 1:
+    the weights are whole on every rank. Without it DeepSpeed records tp_degree=P in every checkpoint, which
+    ``ds_to_universal`` refuses (one model-states file, not P), and a universal load at P > 1 asks the mpu
+    for a tensor-parallel size it lacks: a resume on another number of ranks would fail either way. Only
+    the size is added: DeepSpeed reads the tensor-parallel *rank* (for the norm) from the alias as before."""
+
+    def __init__(self, groups: ModuleType) -> None:
+        self._groups = groups
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._groups, name)
+
+    @staticmethod
+    def get_tensor_model_parallel_world_size() -> int:
+        return 1
+
+
+def sequence_parallel_mpu(size: int) -> UlyssesMpu | None:
     """DeepSpeed's Ulysses mpu with groups of ``size`` ranks (created once per process), for
     ``deepspeed.initialize(mpu=...)``; None for P = 1."""
     if size == 1:
@@ -37,4 +57,4 @@ def sequence_parallel_mpu(size: int) -> ModuleType | None:
     elif parallel_state_sp.get_sequence_parallel_world_size() != size:
         raise ValueError(f"train.sequence_parallel_size={size}: this process already has sequence-parallel groups "
                          f"of {parallel_state_sp.get_sequence_parallel_world_size()} ranks")
-    return parallel_state_sp
+    return UlyssesMpu(parallel_state_sp)
