@@ -60,7 +60,8 @@ def load_step_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
         if not files:
             raise ValueError(f"{step_dir}: no mp_rank_*_model_states.pt")
         state = safe_load(files[0])["module"]
-    return {name: tensor.float() if tensor.is_floating_point() else tensor for name, tensor in state.items()}
+    # detached: DeepSpeed's ZeRO consolidation can hand back tensors that require grad
+    return {name: (tensor.float() if tensor.is_floating_point() else tensor).detach() for name, tensor in state.items()}
 
 
 def complete_zero_state(state: dict[str, torch.Tensor], module_state: dict[str, torch.Tensor]
