@@ -99,6 +99,10 @@ def checkpoint_kind(path: Path) -> str:
     if ((path / WEIGHTS_FILE).is_file() or (path / WEIGHTS_INDEX_FILE).is_file()) and (path / CONFIG_FILE).is_file():
         return "consolidated"
     if list(path.glob("*model_states.pt")):
+        if (path / "zero").is_dir() and not list(path.glob("*_optim_states.pt")):
+            made_from = f" ({path.parent})" if path.name == UNIVERSAL_DIR else ""
+            raise ValueError(f"{path}: DeepSpeed's universal checkpoint of a step dir, which only a resume on another "
+                             f"number of ranks reads; give the step dir it was made from{made_from} instead")
         return "step"
     if (path / "config.json").is_file():
         return "hf"

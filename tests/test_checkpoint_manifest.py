@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_lite import checkpoint_dirs
 from megatron_lite.checkpoint_integrity import (MANIFEST_FILE, UnsafeCheckpointError, read_manifest, record_file,
                                                 record_tree, save_hashed, verify_checkpoint, write_manifest)
 from megatron_lite.convert.universal import convert_step_to_universal
@@ -138,3 +139,18 @@ def test_the_universal_conversion_refuses_a_crafted_step_dir_before_deepspeed_re
     with pytest.raises(UnsafeCheckpointError, match="zero_pp_rank_1_mp_rank_00_optim_states.pt: refused to unpickle"):
         convert_step_to_universal(step_dir, tmp_path / "out")
     assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_a_universal_folder_is_named_as_such_and_points_at_its_step_dir(tmp_path: Path) -> None:
+    """``tools/convert_checkpoint.py STEP/universal OUT`` or ``--resume STEP/universal``: one line, not
+    DeepSpeed's zero_to_fp32 traceback about missing *_optim_states.pt files."""
+    step_dir = tmp_path / "checkpoints" / "step_00000004"
+    universal = step_dir / checkpoint_dirs.UNIVERSAL_DIR
+    (universal / "zero" / "embed_in.weight").mkdir(parents=True)
+    (universal / "mp_rank_00_model_states.pt").write_bytes(b"")
+    for rank in range(2):
+        (step_dir / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (step_dir / "mp_rank_00_model_states.pt").write_bytes(b"")
+    assert checkpoint_dirs.checkpoint_kind(step_dir) == "step"
+    with pytest.raises(ValueError, match=rf"universal checkpoint .* made from \({step_dir}\) instead$"):
+        checkpoint_dirs.resolve_checkpoint(universal)
