@@ -1,8 +1,8 @@
 """Two nodes on one machine: one DeepSpeed launcher per "node", as on a cluster without ssh.
 
 Each launcher is the real `deepspeed --no_ssh --node_rank R` (gloo on CPU, one rank each) reading a
-two-line hostfile; together they train one 2-rank run that must equal a 1-process run of the same global
-batch (accumulation derived: 2 there, 1 here) step for step. The SLURM batch script
+two-line hostfile; together they train one 2-rank run that must equal the 2-rank run of one launcher
+(`deepspeed --num_gpus 2`) step for step. The SLURM batch script
 (tools/slurm/train.sbatch) runs the same way, with stand-ins for the two SLURM commands it calls:
 `scontrol show hostnames` (prints the job's comma-separated node list) and `srun` (starts the command once
 per node, all on this machine, with the per-task SLURM_NODEID / SLURM_PROCID, and records its options).
@@ -73,10 +73,11 @@ def config(training_corpus, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_process(config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("one_process") / "run"
-    result = run_train(config, run_dir)
-    assert "1 rank(s) on cpu; batch 8 = 4 micro x 2 accumulation (derived) x 1 rank(s)" in result.stdout
+def one_launcher(config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same run from one launcher with both ranks (`deepspeed --num_gpus 2`): what the nodes must equal."""
+    run_dir = tmp_path_factory.mktemp("one_launcher") / "run"
+    result = run_train(config, run_dir, ranks=2)
+    assert STARTUP in result.stdout
     return run_dir
 
 
@@ -105,7 +106,7 @@ def assert_same_training(run_dir: Path, reference: Path) -> None:
         list(range(8 * STEPS))
 
 
-def test_two_launchers_with_no_ssh_train_like_one_process(config: Path, one_process: Path, tmp_path: Path) -> None:
+def test_two_launchers_with_no_ssh_train_like_one_launcher_with_two_ranks(config: Path, one_launcher: Path, tmp_path: Path) -> None:
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(HOSTFILE)
     port, run_dir = free_port(), tmp_path / "run"
@@ -128,10 +129,10 @@ def test_two_launchers_with_no_ssh_train_like_one_process(config: Path, one_proc
         assert f"nnodes=2, num_local_procs=1, node_rank={node_rank}" in output, output[-4000:]
     assert STARTUP in outputs[0]  # rank 0 (node 0) prints the header; it counts both ranks
     assert f"done: completed at step {STEPS}/{STEPS}" in outputs[0]
-    assert_same_training(run_dir, one_process)
+    assert_same_training(run_dir, one_launcher)
 
 
-def test_slurm_script_starts_one_launcher_per_node(config: Path, one_process: Path, tmp_path: Path) -> None:
+def test_slurm_script_starts_one_launcher_per_node(config: Path, one_launcher: Path, tmp_path: Path) -> None:
     stand_ins = tmp_path / "bin"
     stand_ins.mkdir()
     for name, text in (("scontrol", SCONTROL), ("srun", SRUN)):
@@ -155,4 +156,4 @@ def test_slurm_script_starts_one_launcher_per_node(config: Path, one_process: Pa
     for node_rank in (0, 1):  # each task's own SLURM_NODEID reached its launcher
         assert f"nnodes=2, num_local_procs=1, node_rank={node_rank}" in output
     assert STARTUP in output
-    assert_same_training(run_dir, one_process)
+    assert_same_training(run_dir, one_launcher)
