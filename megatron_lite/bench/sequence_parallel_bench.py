@@ -110,14 +110,14 @@ def run_sequence_parallel_bench(sizes: list[int], length: int, steps: int, out_d
         if size < 1 or WIDE_TINY_MODEL["num_attention_heads"] % size or length % size:
             raise ValueError(f"--sequence-parallel {size}: must divide the {WIDE_TINY_MODEL['num_attention_heads']} "
                              f"heads and --sequence-length {length}")
-    from megatron_lite.training.distributed import _free_port
+    from megatron_lite.training.distributed import free_port
 
     rows = []
     out_dir.mkdir(parents=True, exist_ok=True)
     for size in sizes:
         out = out_dir / f"sequence_parallel_{size}.json"
         command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(size), "--master_port",
-                   str(_free_port()), "--module", "megatron_lite.bench.sequence_parallel_bench", "--length",
+                   str(free_port()), "--module", "megatron_lite.bench.sequence_parallel_bench", "--length",
                    str(length), "--steps", str(steps), "--out", str(out)]
         environment = {key: value for key, value in os.environ.items()
                        if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}

@@ -38,9 +38,11 @@ class PositionContext:
     last_position: int | None = None  # the last position when the call's structure tells it (no explicit positions)
     document_ids: torch.Tensor | None = None  # (B, T) document of each token (model.attention.document_mask)
     block_mask: Any = None  # FlexAttention BlockMask (backend flex), shared by all layers
-    # Sequence parallelism: the group, and the whole sequence's (T,) positions, which the kernel sees after
-    # the all-to-all (``positions`` and ``tables`` are this rank's slice; ``document_ids`` the whole sequence's)
+    # Sequence parallelism: the group, this rank's slice of the call's tokens, and the whole sequence's (T,)
+    # positions, which the kernel sees after the all-to-all (``positions`` and ``tables`` are the slice's;
+    # ``document_ids`` the whole sequence's)
     sequence_parallel: SequenceParallel | None = None
+    shard: SequenceShard | None = None
     kernel_positions: torch.Tensor | None = None
 
     def tables_at(self, positions: torch.Tensor) -> RotaryTables | None:
@@ -129,4 +131,4 @@ def _sharded_context(scheme: PositionScheme, attention: AttentionConfig, input_i
     return PositionContext(positions=positions_T, rope_length=rope_length, rotary=rotary, tables=tables,
                            mask_mode="causal", last_position=shard.start + shard.length - 1,
                            document_ids=document_ids, block_mask=block_mask, sequence_parallel=sequence_parallel,
-                           kernel_positions=all_positions)
+                           shard=shard, kernel_positions=all_positions)

@@ -212,9 +212,8 @@ class GPT(nn.Module):
                             cache.max_length if cache is not None else None, self.embed_in.weight.dtype,
                             sequence_parallel=parallel)
         all_labels_BT = labels
-        if parallel is not None:  # (B, T) -> (B, T/P): this rank's tokens (model/sequence_parallel.py)
-            shard = parallel.shard(input_ids_BT.shape[1])
-            input_ids_BT, labels = shard.local(input_ids_BT), shard.local(labels)
+        if ctx.shard is not None:  # (B, T) -> (B, T/P): this rank's tokens (model/sequence_parallel.py)
+            input_ids_BT, labels = ctx.shard.local(input_ids_BT), ctx.shard.local(labels)
 
         x_BTC = self.embed_in(input_ids_BT)
         position_embedding = self.position.embed(ctx.positions, ctx.last_position)

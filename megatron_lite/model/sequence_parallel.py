@@ -87,10 +87,7 @@ class SequenceParallel:
         from deepspeed.sequence.layer import DistributedAttention
 
         self.group = group
-        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        if num_heads % self.size:
-            raise ValueError(f"train.sequence_parallel_size={self.size} does not divide "
-                             f"model.num_attention_heads={num_heads}")
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)  # heads and length: shard()
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         # (B, T/P, H, D) -> scatter heads (dim 2), gather the sequence (dim 1) -> (B, T, H/P, D), and back
         self.exchange = DistributedAttention(_local_attention, group, scatter_idx=2, gather_idx=1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -96,15 +95,11 @@ def world_size(settings: ReproSettings) -> int:
     return count
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def launcher_prefix(settings: ReproSettings, ranks: int) -> list[str]:
     """``python -m deepspeed.launcher.runner`` (the ``deepspeed`` command) with the hostfile or the rank count;
     a dry run takes a free port, so it never meets another job's rendezvous."""
+    from megatron_lite.training.distributed import free_port
+
     paper = settings.paper
     command = [settings.python, "-m", "deepspeed.launcher.runner"]
     command += ["--hostfile", str(paper.hostfile)] if paper.hostfile is not None else ["--num_gpus", str(ranks)]
