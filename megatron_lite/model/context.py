@@ -95,7 +95,10 @@ def build_context(scheme: PositionScheme, attention: AttentionConfig, input_ids_
             rope_length = int(positions_T[-1]) + 1  # evaluation with explicit positions: one read per forward
         else:
             rope_length = length  # unused: only dynamic NTK depends on it
-    tables = rotary.tables(positions_T, rope_length, table_dtype) if rotary is not None else None
+    tables = None
+    if rotary is not None:
+        tables = (rotary.range_tables(cached, length, rope_length, device, table_dtype) if last_position is not None
+                  else rotary.tables(positions_T, rope_length, table_dtype))
     mode = mask_mode(cached, length)
     document_ids = None
     if attention.document_mask:
@@ -123,7 +126,7 @@ def _sharded_context(scheme: PositionScheme, attention: AttentionConfig, input_i
     all_positions = shard.global_positions(device)  # (T,)
     rope_length = shard.global_length if rope_length is None else rope_length  # dynamic NTK: the whole sequence
     rotary = scheme.rotary
-    tables = rotary.tables(positions_T, rope_length, table_dtype) if rotary is not None else None
+    tables = rotary.range_tables(shard.start, shard.length, rope_length, device, table_dtype) if rotary is not None else None
     # every rank holds the whole sequence's ids, so its document mask needs no gather
     document_ids = flex.document_ids(input_ids_BT, attention.eod_token_id) if attention.document_mask else None
     block_mask = (flex.build_block_mask(all_positions, all_positions, document_ids, document_ids)

@@ -4,6 +4,12 @@ Pairs are (i, i + r/2) over the first r = rotary dims of a head; dims >= r pass 
 Angles are computed in float64 and cos/sin returned in float32 (GPT-NeoX issue #1003: low-precision
 caches give wrong values; float32 angles alone lose ~1e-3 rad at position 32K).
 
+Everything is computed on the positions' device: no host tensor is copied to the GPU in a forward (such a
+copy is a host sync). The tables of a run of consecutive positions (training, and every forward without
+explicit positions) are kept per (frequencies, start, length, device, dtype) in a small cache, so a training
+step builds them once; the key holds everything the values depend on (the dynamic-NTK base of the call's
+length included), so a cached table is never one of another length's base (HF issue #25104's stale cache).
+
 Scalings follow HF transformers ``modeling_rope_utils``:
   linear   inv_freq / factor
   ntk      base * factor^(r/(r-2))
@@ -16,7 +22,9 @@ Scalings follow HF transformers ``modeling_rope_utils``:
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +32,13 @@ import torch
 from megatron_lite.config import RopeScalingConfig
 
 
-def base_inv_freq(rotary_dims: int, base: float) -> torch.Tensor:
-    """theta_i = base^(-2i/r), i < r/2, float64 (r/2,)."""
-    exponents = torch.arange(0, rotary_dims, 2, dtype=torch.float64) / rotary_dims
+Device = torch.device | str | None
+TABLE_CACHE_SIZE = 8  # (frequencies, start, length, device, dtype) entries; a run uses one or two
+
+
+def base_inv_freq(rotary_dims: int, base: float, device: Device = None) -> torch.Tensor:
+    """theta_i = base^(-2i/r), i < r/2, float64 (r/2,) on ``device``."""
+    exponents = torch.arange(0, rotary_dims, 2, dtype=torch.float64, device=device) / rotary_dims
     return 1.0 / (base**exponents)
 
 
@@ -40,7 +52,7 @@ def dynamic_ntk_base(base: float, rotary_dims: int, factor: float, seq_len: int,
 
 def yarn_inv_freq(
     rotary_dims: int, base: float, factor: float, original_len: int, beta_fast: float, beta_slow: float,
-    attention_factor: float | None = None, truncate: bool = True,
+    attention_factor: float | None = None, truncate: bool = True, device: Device = None,
 ) -> tuple[torch.Tensor, float]:
     """YaRN inverse frequencies (float64) and attention factor, as HF _compute_yarn_parameters: the
     correction range is floored/ceiled to whole dims unless ``truncate`` is false; ``attention_factor``
@@ -55,9 +67,9 @@ def yarn_inv_freq(
     low, high = max(low, 0), min(high, rotary_dims - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(rotary_dims // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rotary_dims // 2, dtype=torch.float64, device=device) - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1 - ramp
-    pos_freqs = base ** (torch.arange(0, rotary_dims, 2, dtype=torch.float64) / rotary_dims)
+    pos_freqs = base ** (torch.arange(0, rotary_dims, 2, dtype=torch.float64, device=device) / rotary_dims)
     extrapolated = 1.0 / pos_freqs
     interpolated = 1.0 / (factor * pos_freqs)
     inv_freq = interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
@@ -67,11 +79,11 @@ def yarn_inv_freq(
 
 
 def llama3_inv_freq(rotary_dims: int, base: float, factor: float, original_len: int, low_freq_factor: float,
-                    high_freq_factor: float) -> torch.Tensor:
+                    high_freq_factor: float, device: Device = None) -> torch.Tensor:
     """Llama-3.1 frequencies (float64), as HF _compute_llama3_parameters: wavelengths longer than
     original_len / low_freq_factor are interpolated (divided by factor), shorter than original_len /
     high_freq_factor kept, and the band between blended smoothly."""
-    inv_freq = base_inv_freq(rotary_dims, base)
+    inv_freq = base_inv_freq(rotary_dims, base, device)
     wavelength = 2 * math.pi / inv_freq
     low_freq_wavelength, high_freq_wavelength = original_len / low_freq_factor, original_len / high_freq_factor
     scaled = torch.where(wavelength > low_freq_wavelength, inv_freq / factor, inv_freq)
@@ -98,39 +110,65 @@ class RotaryEmbedding:
         self.base = base
         self.scaling = scaling
         self.train_length = train_length
+        self._range_tables: OrderedDict[tuple, RotaryTables] = OrderedDict()
 
-    def inv_freq(self, seq_len: int) -> tuple[torch.Tensor, float]:
-        """Inverse frequencies (float64, (r/2,)) and attention factor for a sequence of seq_len tokens.
+    def inv_freq(self, seq_len: int, device: Device = None) -> tuple[torch.Tensor, float]:
+        """Inverse frequencies (float64, (r/2,), on ``device``) and attention factor for a sequence of seq_len
+        tokens.
 
         Only ``dynamic`` depends on seq_len; with a KV cache pass the final length of the whole
         generation so every cached key and new query share one base (avoids HF issue #25104).
         """
         kind, factor, r = self.scaling.type, self.scaling.factor, self.rotary_dims
         if kind == "none":
-            return base_inv_freq(r, self.base), 1.0
+            return base_inv_freq(r, self.base, device), 1.0
         if kind == "linear":
-            return base_inv_freq(r, self.base) / factor, 1.0
+            return base_inv_freq(r, self.base, device) / factor, 1.0
         if kind == "ntk":
-            return base_inv_freq(r, self.base * factor ** (r / (r - 2))), 1.0
+            return base_inv_freq(r, self.base * factor ** (r / (r - 2)), device), 1.0
         if kind == "dynamic":
-            return base_inv_freq(r, dynamic_ntk_base(self.base, r, factor, seq_len, self.train_length)), 1.0
+            return base_inv_freq(r, dynamic_ntk_base(self.base, r, factor, seq_len, self.train_length), device), 1.0
         if kind == "yarn":
             return yarn_inv_freq(r, self.base, factor, self.train_length, self.scaling.beta_fast, self.scaling.beta_slow,
-                                 self.scaling.attention_factor, self.scaling.truncate)
+                                 self.scaling.attention_factor, self.scaling.truncate, device)
         if kind == "llama3":
             return llama3_inv_freq(r, self.base, factor, self.train_length, self.scaling.low_freq_factor,
-                                   self.scaling.high_freq_factor), 1.0
+                                   self.scaling.high_freq_factor, device), 1.0
         raise ValueError(f"model.position.scaling.type={kind!r}: unknown scaling")
 
     def tables(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype = torch.float32) -> RotaryTables:
         """cos/sin (T, r) at the given integer positions (T,); float32 unless float64 is asked for."""
-        inv_freq, attention_factor = self.inv_freq(seq_len)
-        angles = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]  # (T, r/2)
+        inv_freq, attention_factor = self.inv_freq(seq_len, positions.device)
+        angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # (T, r/2)
         angles = torch.cat((angles, angles), dim=-1)  # (T, r): [theta, theta] layout
         table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         cos = (angles.cos() * attention_factor).to(table_dtype)
         sin = (angles.sin() * attention_factor).to(table_dtype)
         return RotaryTables(cos=cos, sin=sin)
+
+    def range_tables(self, start: int, length: int, seq_len: int, device: Device,
+                     dtype: torch.dtype = torch.float32) -> RotaryTables:
+        """``tables`` at positions start .. start + length - 1, built once per key and then reused (module
+        docstring); built afresh while torch.compile traces, where the graph keeps them instead."""
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        if torch.compiler.is_compiling():
+            return self.tables(torch.arange(start, start + length, device=device), seq_len, dtype)
+        # inference tensors cannot be saved for a later backward: kept apart from ordinary ones
+        key = (self._frequency_key(seq_len), start, length, device, dtype, torch.is_inference_mode_enabled())
+        tables = self._range_tables.get(key)
+        if tables is None:
+            tables = self.tables(torch.arange(start, start + length, device=device), seq_len, dtype)
+            self._range_tables[key] = tables
+            if len(self._range_tables) > TABLE_CACHE_SIZE:
+                self._range_tables.popitem(last=False)
+        else:
+            self._range_tables.move_to_end(key)
+        return tables
+
+    def _frequency_key(self, seq_len: int) -> tuple:
+        """What the frequencies depend on: the settings, and the call's length where dynamic NTK uses it."""
+        dynamic_length = seq_len if self.scaling.type == "dynamic" and seq_len > self.train_length else None
+        return (self.rotary_dims, self.base, self.train_length, dataclasses.astuple(self.scaling), dynamic_length)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
