@@ -157,3 +157,23 @@ def test_loss_memory_bench_reports_both_peaks_and_the_ratio() -> None:
     assert result.to_json()["ratio"] == result.ratio
     with pytest.raises(ValueError, match="--chunk-tokens 0"):
         run_bench(LossMemorySettings(chunk_tokens=0))
+
+
+def test_gemm_modes_against_float64() -> None:
+    """bf16 inputs: the mixed head's loss is as exact as the float32-operand head's (same products, float32
+    sums), the bf16-logit head's is not; every gradient stays near bf16's own rounding."""
+    from megatron_lite.bench.loss_precision import HeadSettings, precision_rows
+
+    rows = {row.head: row for row in precision_rows(HeadSettings(tokens=256, hidden=64, vocab=1024, chunk_tokens=100))}
+    mixed, fp32, bf16_logits = rows["fused mixed"], rows["fused fp32"], rows["fused input_dtype"]
+    assert mixed.loss_abs_error <= 2 * fp32.loss_abs_error + 1e-7
+    assert bf16_logits.loss_abs_error > 5 * mixed.loss_abs_error
+    for row in rows.values():
+        assert row.grad_hidden_rel_error < 5e-3 and row.grad_weight_rel_error < 5e-3, row
+
+
+@pytest.mark.parametrize("gemm", ["mixed", "input_dtype"])
+def test_gemm_modes_equal_fp32_for_float32_inputs(gemm: str) -> None:
+    hidden, weight, labels = inputs(50, 97, 24, ignored=3)
+    assert_results_close(run(lambda h, w, y: chunked_cross_entropy(h, w, y, 16, gemm=gemm), hidden, weight, labels),
+                         run(fused(16), hidden, weight, labels), rtol=0, atol=0)
