@@ -29,6 +29,8 @@ def bad_arguments(script: str, tmp_path: Path) -> tuple[list[str], str]:
         "tools/attention_diagnostics.py": ([missing, "--docs", missing, "--out", str(tmp_path / "out")], missing),
         "tools/bench_attention.py": (["--seq-lens", "32", "--hidden-size", "64", "--num-heads", "5"], "must divide"),
         "tools/bench_loss_memory.py": (["--chunk-tokens", "0"], "--chunk-tokens 0"),
+        "tools/bench_loss_precision.py": (["--tokens", "0"], "--tokens 0"),
+        "tools/profile_step.py": (["--micro-batch", "0"], "--micro-batch 0"),
         "tools/bench_train.py": (["--config", missing, "--no-gpu"], missing),
         "tools/build_data_bundle.py": (["--books", missing, "--eval-books", missing,
                                         "--out", str(tmp_path / "b.tar.xz")], missing),

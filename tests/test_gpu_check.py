@@ -1,9 +1,12 @@
 """tools/gpu_check.py --smoke: every section on the tiny config on the CPU, written to JSON and markdown as it
-finishes; a re-run skips finished sections; --only picks sections; no CUDA without --smoke is one error line."""
+finishes; a re-run skips finished sections; --only picks sections; no CUDA without --smoke is one error line.
+--quick --smoke: the quick profile's sections and rows for the schemes given; its flags checked (one error line
+each); the users' command's metrics and warnings read from synthetic files; tools/gpu_one_call.sh parses."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import pytest
 import torch
 
 from megatron_lite import results_board
-from megatron_lite.bench import gpu_check
+from megatron_lite.bench import gpu_check, users_command
 from megatron_lite.cli import EXIT_USER_ERROR
 from script_loading import REPO, load_script
 
@@ -59,6 +62,8 @@ def test_smoke_writes_every_section(smoke_run: tuple[Path, float]) -> None:
     (train,) = results["train"]["rows"]
     assert train["status"] == "ok" and train["loss_last"] < train["loss_first"] and train["tokens_per_sec"] > 0
     assert all(row["status"] == "skipped: no CUDA" for row in results["sync"]["rows"]) or torch.cuda.is_available()
+    (users,) = results["users_command"]["rows"]
+    assert users["status"].startswith("skipped: no ")  # no CUDA, or no --mix
 
     (row,) = results_board.read_rows(out / "board.md", results_board.GPU_CHECKS)  # the finished run's row
     assert (row["kind"], row["device"], row["run"], row["this call"]) == ("smoke", "cpu", "gpu_check", "every section")
@@ -115,3 +120,110 @@ def test_sections_and_batch_search() -> None:
     assert gpu_check.long_context_backends("alibi", flash=True, flex=False) == ["flash"]
     assert gpu_check.long_context_backends("alibi", flash=False, flex=True) == ["chunked", "flex"]
     assert gpu_check.long_context_backends("rope", flash=True, flex=False) == ["sdpa"]
+
+
+def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> None:
+    board = tmp_path / "board.md"
+    arguments = ["--quick", "--smoke", "--schemes", "rope", "--loss-gemm", "mixed,input_dtype", "--out", str(tmp_path)]
+    assert load_script("tools/gpu_check.py").main([*arguments, "--board", str(board)]) == 0
+    results = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(results) == list(gpu_check.QUICK_SECTIONS)
+    assert all(section["settings"]["quick"] and section["settings"]["schemes"] == ["rope"]
+               for section in results.values())
+    assert {row["scheme"] for name in ("parity", "memory", "sync") for row in results[name]["rows"]} == {"rope"}
+    flex = [row for row in results["memory"]["rows"] if row["backend"] == "flex"]
+    assert all(row["compile"] == "regional" for row in flex)  # measured compiled on a GPU (skipped on CPU)
+
+    rows = {(row["model"], row["mode"], row["loss_gemm"]): row for row in results["throughput"]["rows"]}
+    assert list(rows) == [("rope", "eager", "mixed"), ("rope", "eager", "input_dtype"), ("hf_twin", "eager", None),
+                          ("rope", "compiled", "mixed"), ("hf_twin", "compiled", None)]
+    assert all(row["status"] == "ok" and row["micro_batch"] == 2 and row["tokens_per_sec"] > 0
+               for (_, mode, _), row in rows.items() if mode == "eager")
+    assert rows[("rope", "compiled", "mixed")]["compile"] == "regional"
+    assert rows[("hf_twin", "compiled", None)]["compile"] == "model.compile()"
+    assert all(row["status"].startswith("skipped: --smoke") for (_, mode, _), row in rows.items() if mode == "compiled")
+    (users,) = results["users_command"]["rows"]
+    assert users["status"] == "skipped: no CUDA" and users["command"] == users_command.SHOWN_COMMAND
+    assert "## users_command" in (tmp_path / "gpu_check.md").read_text()
+
+    (row,) = results_board.read_rows(board, results_board.GPU_CHECKS)
+    assert (row["kind"], row["run"], row["this call"]) == ("smoke", "gpu_check --quick", "every section")
+    # --board-only: a row for what OUT holds (a call cut short by a timeout), measuring nothing
+    assert load_script("tools/gpu_check.py").main([*arguments, "--board-only", "--board", str(board)]) == 0
+    second = results_board.read_rows(board, results_board.GPU_CHECKS)[1]
+    assert second["this call"].startswith("row only, from OUT: env")
+    assert json.loads((tmp_path / "gpu_check.json").read_text()) == results
+
+
+@pytest.mark.parametrize(("arguments", "named"), [
+    (["--schemes", "rope,nonsense"], "--schemes rope,nonsense: unknown scheme(s) nonsense"),
+    (["--schemes", ","], "--schemes ,: unknown scheme(s) (none)"),
+    (["--loss-gemm", "mixed,bf16"], "--loss-gemm mixed,bf16: unknown value(s) bf16"),
+    (["--compile-mode", "partial"], "--compile-mode partial: must be one of regional, whole"),
+    (["--micro-batch", "0"], "--micro-batch 0: must be >= 1"),
+    (["--quick", "--only", "train"], "--only train: unknown section(s) train for --quick"),
+    (["--vocab-size", "100"], "--mix, --tokenizer and --vocab-size go together"),
+    (["--mix", "no/such/mix.yml", "--tokenizer", "t.model", "--vocab-size", "100"],
+     "--mix no/such/mix.yml: no such file"),
+])
+def test_bad_flags_are_one_error_line(arguments: list[str], named: str, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert load_script("tools/gpu_check.py").main(["--smoke", "--out", str(tmp_path), *arguments]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {named}") and err.count("\n") == 1, err
+    assert not (tmp_path / "gpu_check.json").exists()
+
+
+def test_quick_settings_and_throughput_rows() -> None:
+    quick = gpu_check.CheckSettings(out=Path("unused"), quick=True)
+    assert (quick.sections, quick.schemes, quick.micro_batch) == (list(gpu_check.QUICK_SECTIONS),
+                                                                  ["rope", "coca_slack"], 64)
+    assert quick.budget_s("throughput") < gpu_check.FULL_BUDGET_S
+    full = gpu_check.CheckSettings(out=Path("unused"))
+    assert (full.sections, full.schemes, full.micro_batch) == (list(gpu_check.SECTIONS), list(gpu_check.SCHEMES), None)
+    runs = [(run.model, run.mode) for run in gpu_check.throughput_runs(quick)]
+    assert runs == [("rope", "eager"), ("coca_slack", "eager"), ("hf_twin", "eager"),
+                    ("coca_slack", "compiled"), ("rope", "compiled"), ("hf_twin", "compiled")]
+
+
+def test_users_command_reads_metrics_and_warnings(tmp_path: Path) -> None:
+    # train.py's rows: step 1 alone (the compile), then every log_interval
+    rows = [{"step": 1, "loss": 9.9, "tokens_per_sec": 2000.0, "mfu": 0.004, "tflops": 4.0, "memory_gb": 11.9,
+             "consumed_samples": 256},
+            {"step": 4, "loss": 9.3, "tokens_per_sec": 100_000.0, "mfu": 0.2, "tflops": 200.0, "memory_gb": 14.6},
+            {"step": 8, "loss": 8.3, "tokens_per_sec": 125_000.0, "mfu": 0.25, "tflops": 250.0, "memory_gb": 14.6}]
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"step": 9, "lo')  # a torn last line
+    summary = users_command.summarise_metrics(users_command.read_metrics(metrics), seq_length=512)
+    assert summary["first_step_s"] == pytest.approx(256 * 512 / 2000.0)
+    # time-weighted over steps 2-8: 3 steps at 100K and 4 at 125K tokens/s
+    assert summary["tokens_per_sec"] == pytest.approx(7 / (3 / 100_000 + 4 / 125_000))
+    assert summary["mfu"] == pytest.approx(0.25 / 125_000 * summary["tokens_per_sec"])
+    assert (summary["steady_steps"], summary["peak_memory_gb"], summary["last_step"]) == ("2-8", 14.6, 8)
+    log = ("[2026-11-26 21:12:48,568] [WARNING] [runner.py:214:fetch_hostfile] Unable to find hostfile\n"
+           "VENV/lib/torch/distributed/c10d_logger.py:83: UserWarning: barrier(): using the device\n"
+           "  return func(*args, **kwargs)\n"
+           "[rank0]:[W1126 21:13:03.258055474 ProcessGroupNCCL.cpp:5188] Guessing device ID based on global rank\n"
+           "train:  4%|▍ | 1/24\rVENV/torch/_inductor/compile_fx.py:322: UserWarning: TensorFloat32 tensor cores\n"
+           "  warnings.warn(\n"
+           "  warnings.warn(\n"
+           "step 4/24 | loss 9.3425\n")
+    assert users_command.find_warnings(log) == [
+        "c10d_logger.py:83: UserWarning: barrier(): using the device",
+        "ProcessGroupNCCL.cpp:5188] Guessing device ID based on global rank",
+        "compile_fx.py:322: UserWarning: TensorFloat32 tensor cores",
+        "(message lost) warnings.warn("]
+
+
+def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
+    arguments = users_command.users_arguments(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "run",
+                                              tmp_path / "cache", master_port=29555)
+    assert arguments[1:6] == ["-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port"]
+    assert arguments[arguments.index("--config") + 1] == str(REPO / "configs/coca_350m.yml")
+    sets = [arguments[index + 1] for index, word in enumerate(arguments) if word == "--set"]
+    assert {'data.mix="/d/mix.yml"', "model.vocab_size=16000", "train.train_iters=20",
+            "train.log_interval=4", "train.eval_interval=0"} <= set(sets)
+    script = REPO / "tools/gpu_one_call.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: bash tools/gpu_one_call.sh WHEELS_DIR BUNDLE OUT")

@@ -1,10 +1,17 @@
-"""One-GPU acceptance check: environment, backend parity, throughput/MFU, long-context memory, a short real
-training run and host-sync freedom, each a section of rows in OUT/gpu_check.json and OUT/gpu_check.md.
+"""One-GPU acceptance check: environment, backend parity, long-context memory, throughput/MFU, a short real
+training run, the users' command and host-sync freedom, each a section of rows in OUT/gpu_check.json and
+OUT/gpu_check.md.
 
 Sections run in order; each one's rows are written (JSON and a regenerated markdown report) as soon as it
 finishes, so a run cut short keeps what it measured, and a re-run skips finished sections (``force`` redoes
 them). ``smoke`` runs every section on tiny dimensions on the CPU in seconds: CUDA-only measurements become
 rows saying so, or a CPU equivalent (dispatcher-counted peak memory for the memory section).
+
+``quick`` is the profile that fits one short GPU allocation (at most ~6 minutes on an H100): sections env,
+parity, memory, throughput, users_command and sync for two schemes (rope, coca_slack; ``schemes`` picks
+others), throughput at one fixed micro batch (64 x 512) with 2 warm-up and 5 timed steps, each scheme eager
+and compiled beside the Hugging Face twin eager and compiled, and smaller section budgets. Everything a run
+depends on is a field of ``CheckSettings``.
 """
 
 from __future__ import annotations
@@ -31,13 +38,25 @@ from megatron_lite import config as config_lib
 from megatron_lite.config import Config
 from megatron_lite.files import write_text_atomic
 from megatron_lite.model import GPT
+from megatron_lite.model import loss as loss_module
 from megatron_lite.model.attention import check_backend_available
+from megatron_lite.model.compile import COMPILE_MODES, compile_model
 from megatron_lite.model.variants import LABELS, variant_named
 from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
 
 REPO = Path(__file__).resolve().parents[2]
-SECTIONS = ("env", "parity", "throughput", "memory", "sequence_parallel", "train", "sync")
-SCHEMES = LABELS  # every scheme, by label
+SECTIONS = ("env", "parity", "memory", "throughput", "sequence_parallel", "train", "users_command", "sync")
+QUICK_SECTIONS = ("env", "parity", "memory", "throughput", "users_command", "sync")
+SCHEMES = LABELS  # every scheme, by label (the default of a full check)
+QUICK_SCHEMES = ("rope", "coca_slack")
+QUICK_MICRO_BATCH = 64  # x 512 tokens: the batch of the first GPU run's throughput rows
+# model.lm_head.gemm: the fused loss head's GEMM operands (megatron_lite/model/loss.py)
+LOSS_GEMMS: tuple[str, ...] = tuple(getattr(loss_module, "LOSS_GEMMS", ("mixed", "input_dtype", "fp32")))
+HF_TWIN = "hf_twin"  # the throughput rows' name for Hugging Face GPTNeoXForCausalLM at our dimensions
+# seconds a section may take before its remaining rows are skipped (a row started in time runs to its end)
+FULL_BUDGET_S = 480.0
+QUICK_BUDGET_S = {"memory": 100.0, "throughput": 210.0, "sync": 60.0}
+USERS_TIMEOUT_S = {"quick": 240.0, "full": 900.0}  # the users' command subprocess
 COMPILE_ORDER = ("coca_slack", "coca_strict", "rope", "alibi", "none", "learned", "sinusoidal")
 PARITY_BACKENDS = ("sdpa", "flash", "flex", "chunked")
 NO_CUDA_MESSAGE = "no CUDA device: gpu_check measures a GPU (use --smoke to check the tool on CPU)"
@@ -53,27 +72,99 @@ Progress = Callable[[str], None]
 
 @dataclass
 class CheckSettings:
+    """What one check runs; ``None`` fields take the profile's default (``quick`` or the full check)."""
+
     out: Path
-    sections: list[str] = field(default_factory=lambda: list(SECTIONS))
+    sections: list[str] | None = None  # None: every section (quick: QUICK_SECTIONS)
     smoke: bool = False
     force: bool = False
+    quick: bool = False
+    schemes: list[str] | None = None  # scheme labels (None: every scheme; quick: QUICK_SCHEMES)
+    micro_batch: int | None = None  # a fixed micro batch, no doubling search (None: search; quick: 64; smoke: 2)
     max_batch: int = 64  # throughput search limit (micro batch)
-    section_budget_s: float = 480.0  # throughput / sync (compiles): rows past it are skipped, not measured
+    compile_mode: str = "regional"  # our model's compile (megatron_lite.model.compile); the HF twin: whole
+    loss_gemms: list[str] = field(default_factory=lambda: ["mixed"])  # the first for every row of ours; each
+    # further one adds a rope eager throughput row under it
+    section_budget_s: float | None = None  # None: FULL_BUDGET_S (quick: QUICK_BUDGET_S per section)
+    mix: Path | None = None  # users_command's data: a mix file, its tokenizer and vocabulary
+    tokenizer: Path | None = None
+    vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.sections is None:
+            self.sections = list(QUICK_SECTIONS if self.quick else SECTIONS)
+        if self.schemes is None:
+            self.schemes = list(QUICK_SCHEMES if self.quick else SCHEMES)
+        if self.micro_batch is None and self.quick and not self.smoke:
+            self.micro_batch = QUICK_MICRO_BATCH
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"--compile-mode {self.compile_mode}: must be one of {', '.join(COMPILE_MODES)}")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ValueError(f"--micro-batch {self.micro_batch}: must be >= 1")
+        unknown = [gemm for gemm in self.loss_gemms if gemm not in LOSS_GEMMS]
+        if unknown or not self.loss_gemms or len(set(self.loss_gemms)) != len(self.loss_gemms):
+            raise ValueError(f"--loss-gemm {','.join(self.loss_gemms)}: give distinct values from "
+                             f"{', '.join(LOSS_GEMMS)}")
+        given = [self.mix is not None, self.tokenizer is not None, self.vocab_size is not None]
+        if any(given) and not all(given):
+            raise ValueError("--mix, --tokenizer and --vocab-size go together (users_command's data)")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"--vocab-size {self.vocab_size}: must be >= 1")
 
     @property
     def device(self) -> torch.device:
         return torch.device("cpu" if self.smoke else "cuda")
 
+    @property
+    def profile_sections(self) -> tuple[str, ...]:
+        """Every section of this profile: what a run without --only does."""
+        return QUICK_SECTIONS if self.quick else SECTIONS
 
-def parse_sections(text: str | None) -> list[str]:
+    def budget_s(self, section: str) -> float:
+        if self.section_budget_s is not None:
+            return self.section_budget_s
+        return QUICK_BUDGET_S.get(section, FULL_BUDGET_S) if self.quick else FULL_BUDGET_S
+
+    def to_dict(self) -> dict[str, Any]:
+        """What the report records of these settings (beside each section's rows)."""
+        return {"quick": self.quick, "smoke": self.smoke, "schemes": list(self.schemes or ()),
+                "micro_batch": self.micro_batch, "compile_mode": self.compile_mode,
+                "loss_gemms": list(self.loss_gemms)}
+
+
+def parse_sections(text: str | None, quick: bool = False) -> list[str]:
+    """The sections --only names, in the run order (default: every section of the profile)."""
+    allowed = QUICK_SECTIONS if quick else SECTIONS
     if not text:
-        return list(SECTIONS)
+        return list(allowed)
     names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in SECTIONS]
+    unknown = [name for name in names if name not in allowed]
     if unknown or not names:
-        raise ValueError(f"--only {text}: unknown section(s) {', '.join(unknown) or '(none)'}; "
-                         f"choose from {', '.join(SECTIONS)}")
-    return [name for name in SECTIONS if name in names]
+        raise ValueError(f"--only {text}: unknown section(s) {', '.join(unknown) or '(none)'}"
+                         f"{' for --quick' if quick else ''}; choose from {', '.join(allowed)}")
+    return [name for name in allowed if name in names]
+
+
+def parse_schemes(text: str | None) -> list[str] | None:
+    """--schemes a,b as scheme labels (None when not given); an unknown label is one error line naming it."""
+    if text is None:
+        return None
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in LABELS]
+    if unknown or not names:
+        raise ValueError(f"--schemes {text}: unknown scheme(s) {', '.join(unknown) or '(none)'}; "
+                         f"choose from {', '.join(LABELS)}")
+    return list(dict.fromkeys(names))
+
+
+def parse_loss_gemms(text: str) -> list[str]:
+    """--loss-gemm a,b as model.lm_head.gemm values; an unknown one is one error line naming it."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in LOSS_GEMMS]
+    if unknown or not names:
+        raise ValueError(f"--loss-gemm {text}: unknown value(s) {', '.join(unknown) or '(none)'}; "
+                         f"choose from {', '.join(LOSS_GEMMS)}")
+    return list(dict.fromkeys(names))
 
 
 def _now() -> str:
@@ -135,6 +226,9 @@ def section_env(settings: CheckSettings, progress: Progress) -> list[dict[str, A
         name = torch.cuda.get_device_name()
         peak = next((value for key, value in KNOWN_PEAK_TFLOPS.items() if key in name), None)
         rows.append({"item": "peak bf16 TFLOP/s", "value": str(peak) if peak else "unknown"})
+        precision = torch.get_float32_matmul_precision()  # 'highest': no TF32 for float32 matmuls
+        rows.append({"item": "float32 matmul precision (this process)",
+                     "value": precision + (" (no TF32)" if precision == "highest" else " (TF32)")})
     else:
         rows.append({"item": "GPU memory", "value": "skipped: no CUDA"})
     return rows
@@ -156,7 +250,7 @@ def parity_config(smoke: bool, label: str, backend: str, precision: str) -> Conf
 def section_parity(settings: CheckSettings, progress: Progress) -> list[dict[str, Any]]:
     device = settings.device
     rows = []
-    for label in SCHEMES:
+    for label in settings.schemes or ():
         reference_config = parity_config(settings.smoke, label, "reference", "fp32")
         torch.manual_seed(reference_config.seed)
         with device:
@@ -218,30 +312,66 @@ def _train_step(model: torch.nn.Module, is_hf: bool, batch: torch.Tensor) -> Cal
     return step
 
 
-def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> float:
-    for _ in range(warmup):
+@dataclass(frozen=True)
+class StepTiming:
+    step_s: float  # mean of the timed steps
+    first_step_s: float  # the first warm-up step's wall time: the compile, for a compiled model
+
+
+def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> StepTiming:
+    """``warmup`` untimed steps (the first timed alone), then the mean of ``steps`` timed ones."""
+    _sync(device)
+    start = time.perf_counter()
+    step()
+    _sync(device)
+    first = time.perf_counter() - start
+    for _ in range(warmup - 1):
         step()
     _sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         step()
     _sync(device)
-    return (time.perf_counter() - start) / steps
+    return StepTiming((time.perf_counter() - start) / steps, first)
 
 
-def _build_for_throughput(config: Config, is_hf: bool, device: torch.device, compiled: bool) -> torch.nn.Module:
+def set_loss_gemm(model: torch.nn.Module, gemm: str) -> bool:
+    """``model.lm_head.gemm = gemm`` (the fused loss head's GEMM operands); False where the head has no such
+    attribute (a model or checkout without the option), and then nothing is set."""
+    head = getattr(model, "lm_head", None)
+    if head is None or not hasattr(head, "gemm"):
+        return False
+    setattr(head, "gemm", gemm)
+    return True
+
+
+def _compile(model: torch.nn.Module, is_hf: bool, mode: str) -> None:
+    """Ours through compile_model (``mode``), the HF twin through its own ``model.compile()``; dynamo's
+    in-memory caches cleared first, so that earlier rows' graphs neither count against its recompile limit
+    nor turn this one's shapes dynamic (inductor's on-disk cache still serves identical graphs)."""
+    torch._dynamo.reset()
+    if is_hf:
+        model.compile()
+    else:
+        compile_model(model, mode)  # type: ignore[arg-type]
+
+
+def _build_for_throughput(config: Config, is_hf: bool, device: torch.device, compiled: bool,
+                          compile_mode: str = "regional", loss_gemm: str | None = None) -> torch.nn.Module:
     torch.manual_seed(config.seed)
     with device:
         model = hf_twin(config) if is_hf else GPT(config.model)
     model = model.to(dtype=torch.bfloat16 if config.precision == "bf16" else torch.float32).train()
+    if loss_gemm is not None and not is_hf:
+        set_loss_gemm(model, loss_gemm)
     if compiled:
-        model.compile()
+        _compile(model, is_hf, compile_mode)
     return model
 
 
 def _measure(config: Config, is_hf: bool, device: torch.device, compiled: bool, batch_size: int, warmup: int,
-             steps: int) -> float:
-    model = _build_for_throughput(config, is_hf, device, compiled)
+             steps: int, compile_mode: str = "regional", loss_gemm: str | None = None) -> StepTiming:
+    model = _build_for_throughput(config, is_hf, device, compiled, compile_mode, loss_gemm)
     batch = torch.randint(0, config.model.vocab_size, (batch_size, config.model.seq_length + 1), device=device)
     try:
         return _time_steps(_train_step(model, is_hf, batch), device, warmup, steps)
@@ -272,71 +402,119 @@ def largest_batch(config: Config, is_hf: bool, device: torch.device, limit: int,
     return best
 
 
+@dataclass(frozen=True)
+class ThroughputRun:
+    model: str  # a scheme label, or HF_TWIN (the HF model at rope's config)
+    compiled: bool
+    loss_gemm: str | None  # ours: model.lm_head.gemm; the HF twin: None
+
+    @property
+    def is_hf(self) -> bool:
+        return self.model == HF_TWIN
+
+    @property
+    def mode(self) -> str:
+        return "compiled" if self.compiled else "eager"
+
+
+def throughput_runs(settings: CheckSettings) -> list[ThroughputRun]:
+    """Eager rows first (every scheme, the extra loss-GEMM rows, the HF twin), then compiled ones (the paper's
+    schemes first, the HF twin last): a section budget cuts the most expensive rows."""
+    schemes = list(settings.schemes or ())
+    gemm, *extra_gemms = settings.loss_gemms
+    timed_scheme = "rope" if "rope" in schemes else schemes[0]
+    runs = [ThroughputRun(label, False, gemm) for label in schemes]
+    runs += [ThroughputRun(timed_scheme, False, extra) for extra in extra_gemms]
+    runs.append(ThroughputRun(HF_TWIN, False, None))
+    runs += [ThroughputRun(label, True, gemm) for label in COMPILE_ORDER if label in schemes]
+    runs.append(ThroughputRun(HF_TWIN, True, None))
+    return runs
+
+
+def loss_gemm_supported(config: Config) -> bool:
+    """Whether this checkout's model has ``lm_head.gemm`` (built on the meta device: no memory, ~1 s)."""
+    with torch.device("meta"):
+        model = GPT(config.model)
+    return hasattr(getattr(model, "lm_head", None), "gemm")
+
+
+def _peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((value for key, value in KNOWN_PEAK_TFLOPS.items() if key in name), None)
+
+
+def _over_budget(settings: CheckSettings, section: str, since: float) -> str | None:
+    budget = settings.budget_s(section)
+    if settings.smoke or time.perf_counter() - since <= budget:
+        return None
+    return f"skipped: the section passed its {budget:.0f} s budget"
+
+
 def section_throughput(settings: CheckSettings, progress: Progress) -> list[dict[str, Any]]:
     device = settings.device
     smoke = settings.smoke
     precision = "fp32" if smoke else "bf16"
-    warmup, steps = (1, 2) if smoke else (3, 8)
-    peak = None
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name()
-        peak = next((value for key, value in KNOWN_PEAK_TFLOPS.items() if key in name), None)
+    warmup, steps = (1, 2) if smoke else (2, 5) if settings.quick else (3, 8)
+    peak = _peak_tflops(device)
     rows = []
-    runs: list[tuple[str, bool]] = [(label, False) for label in SCHEMES] + [("hf_gpt_neox", False)]
-    # compiled runs last, the paper's schemes first: they are the ones a section budget may cut
-    runs += [(label, True) for label in COMPILE_ORDER]
     batches: dict[str, int] = {}
+    gemm_option = loss_gemm_supported(big_config(settings, "rope", precision=precision))
     start = time.perf_counter()
-
-    def over_budget(since: float) -> bool:
-        return not smoke and time.perf_counter() - since > settings.section_budget_s
-
-    for label, compiled in runs:
-        is_hf = label == "hf_gpt_neox"
-        config = big_config(settings, "rope" if is_hf else label, precision=precision)
-        mode = "compiled" if compiled else "eager"
-        row: dict[str, Any] = {"model": "hf_gpt_neox (rope)" if is_hf else label, "mode": mode}
+    for run in throughput_runs(settings):
+        config = big_config(settings, "rope" if run.is_hf else run.model, precision=precision)
+        gemm = run.loss_gemm if gemm_option or run.loss_gemm is None else "n/a (no lm_head.gemm)"
+        row: dict[str, Any] = {"model": run.model, "mode": run.mode, "loss_gemm": gemm}
+        if run.compiled:
+            row["compile"] = "model.compile()" if run.is_hf else settings.compile_mode
         try:
-            if over_budget(start):
-                row["status"] = f"skipped: the section passed its {settings.section_budget_s:.0f} s budget"
+            skipped = _over_budget(settings, "throughput", start)
+            if skipped is None and run.compiled and smoke:
+                skipped = "skipped: --smoke (compile is timed on the GPU)"
+            if skipped is None and not gemm_option and run.loss_gemm not in (None, settings.loss_gemms[0]):
+                skipped = "skipped: model.lm_head has no `gemm` attribute in this checkout"
+            if skipped is not None:
+                row["status"] = skipped
                 rows.append(row)
-                progress(f"  throughput {row['model']} {mode}: {row['status']}")
+                progress(f"  throughput {run.model} {run.mode}: {skipped}")
                 continue
-            if compiled and smoke:
-                row["status"] = "skipped: --smoke (compile is timed on the GPU)"
-                rows.append(row)
-                continue
-            if smoke:
-                batch_size = 2
-            elif is_hf:
-                batch_size = batches.get("rope", 1)  # the same batch as ours
-            elif label in batches:
-                batch_size = batches[label]  # compiled: the batch eager found (compiled needs no more memory)
+            if settings.micro_batch is not None or smoke:
+                batch_size = settings.micro_batch or 2
+            elif run.is_hf:
+                batch_size = batches.get("rope", next(iter(batches.values()), 1))  # the same batch as ours
+            elif run.model in batches:
+                batch_size = batches[run.model]  # compiled: the batch eager found (compiled needs no more memory)
             else:
                 batch_size = largest_batch(config, False, device, settings.max_batch)
                 if batch_size == 0:
                     raise RuntimeError("out of memory at micro batch 1")
-            batches.setdefault(label, batch_size)
-            seconds = None
-            while seconds is None:
+            if not run.is_hf:
+                batches.setdefault(run.model, batch_size)
+            timing = None
+            while timing is None:
                 try:
-                    seconds = _measure(config, is_hf, device, compiled, batch_size, warmup, steps)
+                    timing = _measure(config, run.is_hf, device, run.compiled, batch_size, warmup, steps,
+                                      settings.compile_mode, run.loss_gemm)
                 except RuntimeError as error:
                     if not _is_oom(error) or batch_size == 1:
                         raise
-                    seconds = None
-                if seconds is None:  # e.g. the HF twin at our batch: halve until it fits
+                    timing = None
+                if timing is None:  # e.g. the HF twin at our batch: halve until it fits
                     _free(device)
                     batch_size //= 2
+            seconds = timing.step_s
             tokens = batch_size * config.model.seq_length
             tflops = model_flops_per_token(config.model) * tokens / seconds / 1e12
             row.update(status="ok", micro_batch=batch_size, step_ms=seconds * 1e3, tokens_per_sec=tokens / seconds,
                        tflops=tflops, mfu=tflops / peak if peak else None)
+            if run.compiled:
+                row["compile_s"] = timing.first_step_s
         except Exception as failure:  # noqa: BLE001
             row["status"] = f"failed: {_error_text(failure)}"
             _free(device)
         rows.append(row)
-        progress(f"  throughput {row['model']} {mode}: {_row_summary(row)}")
+        progress(f"  throughput {run.model} {run.mode}: {_row_summary(row)}")
     return rows
 
 
@@ -362,12 +540,22 @@ def section_memory(settings: CheckSettings, progress: Progress) -> list[dict[str
     device = settings.device
     length, tail = (1024, 64) if settings.smoke else (32768, 512)
     rows = []
-    for label in SCHEMES:
+    start = time.perf_counter()
+    for label in settings.schemes or ():
         for backend in long_context_backends(label, flash_available(), flex_available()):
             row: dict[str, Any] = {"scheme": label, "backend": backend, "tokens": length}
-            if settings.smoke and backend == "flex":
-                row["status"] = "skipped: track_peak_memory (CPU) cannot follow FlexAttention's operator"
+            # flex as training runs it: compiled (eager FlexAttention falls back to a path that materialises
+            # the scores); the other backends are the same kernels eager or compiled
+            compiled = backend == "flex"
+            if compiled:
+                row["compile"] = settings.compile_mode
+            skipped = _over_budget(settings, "memory", start)
+            if skipped is None and settings.smoke and backend == "flex":
+                skipped = "skipped: track_peak_memory (CPU) cannot follow FlexAttention's operator"
+            if skipped is not None:
+                row["status"] = skipped
                 rows.append(row)
+                progress(f"  memory {label} {backend}: {skipped}")
                 continue
             # learned positions stop at max_position_embeddings: a table as long as the window
             extra = (f"model.max_position_embeddings={length}",) if variant_named(label).position_table else ()
@@ -382,6 +570,13 @@ def section_memory(settings: CheckSettings, progress: Progress) -> list[dict[str
                 if not settings.smoke:
                     model = model.to(torch.bfloat16)
                 ids = torch.randint(0, config.model.vocab_size, (1, length), device=device)
+                if compiled:  # the compile's own forward first: the measured one runs the compiled graphs
+                    _compile(model, False, settings.compile_mode)
+                    compile_start = time.perf_counter()
+                    with torch.no_grad():
+                        model(ids, logits_from=length - tail)
+                    _sync(device)
+                    row["compile_s"] = time.perf_counter() - compile_start
                 if device.type == "cuda":
                     _free(device)
                     torch.cuda.reset_peak_memory_stats()
@@ -500,27 +695,35 @@ def section_train(settings: CheckSettings, progress: Progress) -> list[dict[str,
 # sync
 
 def section_sync(settings: CheckSettings, progress: Progress) -> list[dict[str, Any]]:
+    schemes = list(settings.schemes or ())
     if settings.device.type != "cuda":
         rows = [{"scheme": label, "mode": mode, "status": "skipped: no CUDA"}
-                for mode in ("eager", "compiled") for label in SCHEMES]
+                for mode in ("eager", "compiled") for label in schemes]
         progress("  sync: skipped: no CUDA")
         return rows
     device = settings.device
+    # the throughput rows' batch where it is fixed: the same compiled graphs, served by inductor's cache
+    batch_size = settings.micro_batch or 2
     rows = []
     start = time.perf_counter()
     for compiled in (False, True):
-        for label in COMPILE_ORDER if compiled else SCHEMES:
+        for label in [label for label in COMPILE_ORDER if label in schemes] if compiled else schemes:
             mode = "compiled" if compiled else "eager"
             row: dict[str, Any] = {"scheme": label, "mode": mode}
-            if time.perf_counter() - start > settings.section_budget_s:
-                row["status"] = f"skipped: the section passed its {settings.section_budget_s:.0f} s budget"
+            if compiled:
+                row["compile"] = settings.compile_mode
+            skipped = _over_budget(settings, "sync", start)
+            if skipped is not None:
+                row["status"] = skipped
                 rows.append(row)
                 progress(f"  sync {label} {mode}: {row['status']}")
                 continue
             try:
                 config = big_config(settings, label)
-                model = _build_for_throughput(config, False, device, compiled)
-                batch = torch.randint(0, config.model.vocab_size, (2, config.model.seq_length + 1), device=device)
+                model = _build_for_throughput(config, False, device, compiled, settings.compile_mode,
+                                              settings.loss_gemms[0])
+                batch = torch.randint(0, config.model.vocab_size, (batch_size, config.model.seq_length + 1),
+                                      device=device)
                 inputs, labels = batch[:, :-1], batch[:, 1:]
                 model(inputs, labels=labels).backward()  # warm-up (compiles) outside the debug mode
                 torch.cuda.synchronize()
@@ -560,9 +763,24 @@ def section_sequence_parallel(settings: CheckSettings, progress: Progress) -> li
     return rows
 
 
+def section_users_command(settings: CheckSettings, progress: Progress) -> list[dict[str, Any]]:
+    """``deepspeed --num_gpus 1 train.py --config configs/coca_350m.yml`` for 20 steps on the given data
+    (megatron_lite/bench/users_command.py); one skipped row without CUDA or without data."""
+    from megatron_lite.bench.users_command import run_users_command
+
+    _free(settings.device)  # the earlier sections' cached blocks: the run below is another process
+    rows = run_users_command(settings.mix, settings.tokenizer, settings.vocab_size, settings.out / "users_command",
+                             cuda=settings.device.type == "cuda" and torch.cuda.is_available(),
+                             timeout_s=USERS_TIMEOUT_S["quick" if settings.quick else "full"], progress=progress)
+    for row in rows:
+        progress(f"  users_command: {_row_summary(row)}")
+    return rows
+
+
 SECTION_FUNCTIONS: dict[str, Callable[[CheckSettings, Progress], list[dict[str, Any]]]] = {
     "env": section_env, "parity": section_parity, "throughput": section_throughput, "memory": section_memory,
-    "sequence_parallel": section_sequence_parallel, "train": section_train, "sync": section_sync,
+    "sequence_parallel": section_sequence_parallel, "train": section_train, "users_command": section_users_command,
+    "sync": section_sync,
 }
 
 
@@ -592,6 +810,16 @@ def header(smoke: bool) -> list[str]:
             f"Device: {device}; date {_now()}; torch {torch.__version__}; CUDA {torch.version.cuda or 'none'}.", ""]
 
 
+def _settings_text(settings: dict[str, Any] | None) -> str:
+    if not settings:
+        return ""
+    parts = ["--quick" if settings.get("quick") else "full profile", f"schemes {', '.join(settings['schemes'])}",
+             f"micro batch {settings['micro_batch'] or ('2 (--smoke)' if settings.get('smoke') else 'searched')}",
+             f"compile {settings['compile_mode']}",
+             f"loss gemm {', '.join(settings['loss_gemms'])}"]
+    return "; " + "; ".join(parts)
+
+
 def render_markdown(results: dict[str, Any], smoke: bool) -> str:
     lines = header(smoke)
     for name in SECTIONS:
@@ -599,7 +827,8 @@ def render_markdown(results: dict[str, Any], smoke: bool) -> str:
             continue
         section = results[name]
         rows = section["rows"]
-        lines += [f"## {name}", "", f"{section['seconds']:.1f} s, finished {section['finished']}.", ""]
+        lines += [f"## {name}", "", f"{section['seconds']:.1f} s, finished {section['finished']}"
+                  f"{_settings_text(section.get('settings'))}.", ""]
         columns: list[str] = []
         for row in rows:
             columns += [key for key in row if key not in columns]
@@ -634,8 +863,9 @@ def run_check(settings: CheckSettings, progress: Progress = print) -> dict[str, 
     if not settings.smoke and not torch.cuda.is_available():
         raise ValueError(NO_CUDA_MESSAGE)
     settings.out.mkdir(parents=True, exist_ok=True)
-    results = {} if settings.force and set(settings.sections) == set(SECTIONS) else load_results(settings.out)
-    for name in settings.sections:
+    sections = list(settings.sections or ())
+    results = {} if settings.force and set(sections) == set(settings.profile_sections) else load_results(settings.out)
+    for name in sections:
         if name in results and not settings.force:
             progress(f"{name}: already finished at {results[name].get('finished')}, skipped (--force redoes it)")
             continue
@@ -649,12 +879,12 @@ def run_check(settings: CheckSettings, progress: Progress = print) -> dict[str, 
         finally:
             torch.set_num_threads(threads)
         seconds = time.perf_counter() - start
-        results[name] = {"rows": rows, "seconds": seconds, "finished": _now()}
+        results[name] = {"rows": rows, "seconds": seconds, "finished": _now(), "settings": settings.to_dict()}
         write_results(settings.out, results, settings.smoke)
         if name in ("env", "train"):
             for row in rows:
                 progress(f"  {name}: {_row_summary(row) if name == 'train' else row['item'] + ' = ' + row['value']}")
         progress(f"{name}: finished in {seconds:.1f} s")
-    if not (settings.out / MD_NAME).is_file() or not settings.sections:
+    if not (settings.out / MD_NAME).is_file() or not sections:
         write_results(settings.out, results, settings.smoke)
     return results

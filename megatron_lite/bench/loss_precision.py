@@ -35,6 +35,11 @@ class HeadSettings:
     dtype: torch.dtype = torch.bfloat16
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        for name in ("tokens", "hidden", "vocab", "chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+
 
 @dataclass(frozen=True)
 class HeadRow:

@@ -32,6 +32,11 @@ class ProfileSettings:
     steps: int = 2
     row_limit: int = 30
 
+    def __post_init__(self) -> None:
+        for name in ("micro_batch", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+
 
 def profile_step(settings: ProfileSettings) -> str:
     """The profiler's table of ``settings.steps`` training steps on the current CUDA device."""

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# One whole GPU check on a bare, offline node, within one job of at most 10 minutes (docs/gpu.md).
+#
+#   bash tools/gpu_one_call.sh WHEELS_DIR BUNDLE OUT [extra tools/gpu_check.py arguments]
+#
+# WHEELS_DIR  the wheels of tools/fetch_wheels.py (installed into /tmp/site); '-' installs nothing
+# BUNDLE      a data bundle of tools/build_data_bundle.py (BUNDLE.sha256 beside it): the users' command's data
+# OUT         receives log.txt (everything printed), gpu_check.md/.json, users_command_log.txt,
+#             users_command_metrics.jsonl and results_board.md (this check's results board row)
+#
+# Phases, each under its own timeout so that a cut run keeps what the earlier ones measured:
+#   P0  wheels, versions, the bundle checked against its sha256 and unpacked (megatron_lite.bench.users_command)
+#   P1  tools/gpu_check.py --quick (env, parity, memory, throughput, users_command, sync) with the users'
+#       command on the bundle's shards; the extra arguments go to it (e.g. --schemes rope,coca_slack,coca_strict)
+#   P2  the results board row in OUT/results_board.md, also for a check that P1's timeout cut short
+# Environment: PYTHON (python3), GPU_ONE_CALL_WORK (/tmp/gpu_one_call: scratch), GPU_ONE_CALL_SITE (/tmp/site),
+# GPU_ONE_CALL_BUDGET (560: seconds for the whole call; P1 gets what P0 left, less 30 s for P2).
+set -u -o pipefail
+
+if [ $# -lt 3 ]; then
+  echo "usage: bash tools/gpu_one_call.sh WHEELS_DIR BUNDLE OUT [extra tools/gpu_check.py arguments]" >&2
+  exit 2
+fi
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+WORK=${GPU_ONE_CALL_WORK:-/tmp/gpu_one_call}
+SITE=${GPU_ONE_CALL_SITE:-/tmp/site}
+BUDGET=${GPU_ONE_CALL_BUDGET:-560}
+WHEELS=$1
+if [ "$WHEELS" != "-" ]; then
+  WHEELS=$(cd "$WHEELS" 2>/dev/null && pwd) || { echo "error: WHEELS_DIR $1: no such directory" >&2; exit 2; }
+fi
+[ -f "$2" ] || { echo "error: BUNDLE $2: no such file" >&2; exit 2; }
+BUNDLE=$(cd "$(dirname "$2")" && pwd)/$(basename "$2")
+mkdir -p "$3" && OUT=$(cd "$3" && pwd) || { echo "error: OUT $3: cannot create it" >&2; exit 2; }
+shift 3
+
+T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 )); }
+exec > >(tee -a "$OUT/log.txt") 2>&1
+echo "[t=$(el)] gpu_one_call: repo $REPO, wheels $WHEELS, bundle $BUNDLE, out $OUT, budget ${BUDGET} s"
+cd "$REPO" || exit 1
+mkdir -p "$WORK"
+
+# P0: wheels, versions, data
+if [ "$WHEELS" != "-" ]; then
+  shopt -s nullglob
+  wheels=("$WHEELS"/*.whl)
+  shopt -u nullglob
+  [ ${#wheels[@]} -gt 0 ] || { echo "error: WHEELS_DIR $WHEELS holds no .whl files"; exit 2; }
+  timeout 180 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "${wheels[@]}" || { echo "error: installing the wheels failed"; exit 1; }
+  export PATH="$SITE/bin:$PATH"
+  export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+timeout 120 "$PY" -c "import sys, torch, deepspeed, transformers; print('python', sys.version.split()[0], \
+'torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__, \
+'transformers', transformers.__version__)" || { echo "error: the Python packages do not import"; exit 1; }
+DATA_ARGS=$(timeout 180 "$PY" -m megatron_lite.bench.users_command "$BUNDLE" "$WORK/data")
+if [ $? -ne 0 ] || [ -z "$DATA_ARGS" ]; then
+  echo "[t=$(el)] the bundle did not unpack: the users_command section will be a skipped row"
+  DATA_ARGS=""
+fi
+echo "[t=$(el)] P0 done: users_command data: ${DATA_ARGS:-none}"
+
+# P1: the quick check (a fresh OUT: --force), the board row written by it when it finishes
+CHECK_S=$(( BUDGET - $(el) - 30 ))
+if [ "$CHECK_S" -lt 60 ]; then
+  echo "error: only ${CHECK_S} s left of the ${BUDGET} s budget for the check"; exit 1
+fi
+BOARD="$OUT/results_board.md"
+rm -f "$WORK/check/gpu_check.json" "$WORK/check/gpu_check.md"  # nothing of an earlier call reaches the board
+# shellcheck disable=SC2086  # DATA_ARGS: --mix PATH --tokenizer PATH --vocab-size N, paths under $WORK
+timeout -k 30 "$CHECK_S" "$PY" tools/gpu_check.py --quick --force --out "$WORK/check" --board "$BOARD" \
+  $DATA_ARGS "$@"
+CHECK_RC=$?
+echo "[t=$(el)] P1 done: gpu_check exited $CHECK_RC (timeout ${CHECK_S} s)"
+
+# P2: what the check wrote, into OUT; the board row from OUT's finished sections if the check did not finish
+for name in gpu_check.json gpu_check.md; do
+  [ -f "$WORK/check/$name" ] && cp "$WORK/check/$name" "$OUT/$name"
+done
+[ -f "$WORK/check/users_command/log.txt" ] && cp "$WORK/check/users_command/log.txt" "$OUT/users_command_log.txt"
+[ -f "$WORK/check/users_command/run/metrics.jsonl" ] && \
+  cp "$WORK/check/users_command/run/metrics.jsonl" "$OUT/users_command_metrics.jsonl"
+if [ "$CHECK_RC" -ne 0 ] && [ -f "$WORK/check/gpu_check.json" ]; then
+  # shellcheck disable=SC2086
+  timeout 60 "$PY" tools/gpu_check.py --quick --board-only --out "$WORK/check" --board "$BOARD" $DATA_ARGS "$@"
+fi
+echo "[t=$(el)] end: $OUT"
+exit "$CHECK_RC"
