@@ -20,6 +20,8 @@ Architecture = Literal["gpt_neox", "llama"]
 AttentionBackend = Literal["sdpa", "flash", "flex", "chunked", "reference"]
 SourceType = Literal["hf", "jsonl", "text", "parquet", "python_docs", "python_code", "megatron"]
 TextEncoding = Literal["utf-8", "auto"]
+CompileMode = Literal["regional", "whole"]  # megatron_lite.model.compile.COMPILE_MODES
+LossGemm = Literal["mixed", "input_dtype", "fp32"]  # megatron_lite.model.loss.LOSS_GEMMS
 
 SCHEMES: tuple[str, ...] = typing.get_args(SchemeName)
 ROTARY_SCHEMES: tuple[str, ...] = ("rope", "coca")
@@ -377,13 +379,35 @@ class TrainConfig:
         "consecutive tokens, with an all-to-all around attention (docs/sequence_parallel.md). The launched ranks "
         "are data-parallel ranks x P; P must divide them, model.seq_length and the attention heads.", default=1)
     compile: bool | None = _doc(
-        "torch.compile every block in place (state-dict keys unchanged); null: on with CUDA, off on CPU.",
+        "torch.compile the model in place as train.compile_mode says (state-dict keys unchanged, so checkpoints "
+        "move freely between compiled and eager runs); null: on with CUDA, off on CPU. Not with zero_stage 3.",
         default=None,
     )
+    compile_mode: CompileMode = _doc(
+        "What train.compile compiles: regional (every transformer block in place; the blocks share one code "
+        "object, so the repeated block compiles once and the first step's compile time does not grow with the "
+        "depth) | whole (the model's whole call as one graph: fuses across blocks and into the loss head, at a "
+        "compile time that grows with the number of layers).", default="regional")
+    tf32: bool | None = _doc(
+        "TensorFloat-32 tensor cores for float32 matmuls and cuDNN convolutions "
+        "(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32), set before the model is "
+        "built, as torchtitan and llm-foundry do. Touches float32 GEMMs only (the bf16/fp16 ones are on tensor "
+        "cores anyway). null: on with CUDA, off on CPU; false keeps torch's default (full float32 matmuls).",
+        default=None)
+    fused_optimizer: bool | None = _doc(
+        "torch's fused AdamW (fused=True: the whole update in one kernel per device and dtype, instead of "
+        "several foreach kernels); needs every trainable parameter a floating-point tensor on a device torch "
+        "fuses for. null: on when every parameter is a floating CUDA tensor, else off (CPU runs stay unfused); "
+        "true: fused wherever torch allows it (CPU too), an error where it does not.", default=None)
     fused_loss: bool = _doc(
         "LM head + cross entropy in token chunks, recomputed in backward: the (B, T, V) float32 logits never "
         "exist at once. Same loss and gradients as the plain path.", default=True,
     )
+    loss_gemm: LossGemm = _doc(
+        "The fused loss head's GEMMs (logits, grad_hidden, grad_weight): mixed (operands in the model's dtype, "
+        "bf16 tensor cores, float32 accumulation and float32 logits) | input_dtype (bf16 logits upcast per "
+        "chunk, as Hugging Face, Liger and torchtune) | fp32 (float32 operands: the slower, exact-operand path). "
+        "A float32 model runs float32 GEMMs in every mode.", default="mixed")
     lr: float = _doc("Peak learning rate, reached at the end of warm-up (paper: 1e-4).", default=1.0e-4)
     min_lr: float = _doc("Learning rate at the last step (paper: 1e-5).", default=1.0e-5)
     warmup: float = _doc("Warm-up length as a fraction of train_iters (paper: 0.01).", default=0.01)

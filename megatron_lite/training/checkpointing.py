@@ -37,6 +37,7 @@ from megatron_lite.console import notice
 from megatron_lite.files import write_text_atomic
 from megatron_lite.training import identity, rng
 from megatron_lite.training.distributed import DistributedInfo, all_gather_objects, all_reduce_sum, barrier
+from megatron_lite.training.optim import set_fused
 from megatron_lite.weights import expected_shapes
 
 UNIVERSAL_CHECKPOINT_INFO = "universal_checkpoint_info"  # deepspeed.checkpoint.constants: ds_to_universal needs it
@@ -322,6 +323,7 @@ def load_training_state(engine: Any, plan: ResumePlan, optimizer: Any) -> Traini
         raise ValueError(f"DeepSpeed could not load the checkpoint {step_dir}")
     if plan.universal:
         _restore_param_groups(optimizer, universal.universal_dir(step_dir))
+    set_fused(optimizer, optimizer.fused_wanted)  # the load took the checkpoint's flag; the run's config decides
     return TrainingState.from_client_state(client_state)
 
 

@@ -19,6 +19,15 @@ from megatron_lite.training.deepspeed_config import BatchSizes
 from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, barrier
 
 
+# DataLoader workers start as fresh interpreters, not forked: by the time the training iterator starts them the
+# process has threads (the run lock's heartbeat, torch's and NCCL's, OpenBLAS's from importing numpy), and a fork
+# copies their locks in whatever state they are (Python 3.12 warns "os.fork() was called ... multi-threaded").
+# forkserver would fork its workers from a server that imports numpy, so threaded too. The cost is each worker's
+# imports (a few seconds, once per run: the training iterator is made once, the validation loader has no workers);
+# the datasets pickle as paths and re-map their files (data/loader.py).
+WORKER_START_METHOD = "spawn"
+
+
 @dataclass
 class TrainingData:
     manifest: Manifest
@@ -38,6 +47,8 @@ class TrainingData:
             consumed_samples=consumed_samples, mix=self.mix)  # a sequence-parallel group shares its samples
         common = {"batch_size": batch.micro_batch_size, "seed": config.seed, "rank": dist_info.data_parallel_rank}
         train_loader = sample_loader(train_set, **common, purpose="train", num_workers=train.num_workers)
+        if train.num_workers:
+            train_loader.multiprocessing_context = WORKER_START_METHOD
         # every rank's share has the same length (padded), so the same number of batches, the last maybe short
         valid_loader = (None if valid_set is None else
                         sample_loader(valid_set, **common, purpose="valid", drop_last=False))

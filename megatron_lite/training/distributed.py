@@ -81,12 +81,13 @@ def init_distributed() -> DistributedInfo:
     from megatron_lite.training.jit_lock import watch_jit_locks
 
     single_process_env()
-    with watch_jit_locks():  # it JIT-builds DeepSpeed's CPU comm op once; a stale lock would hang it silently
-        deepspeed.init_distributed()
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
+        _init_nccl_bound(local_rank)
+    with watch_jit_locks():  # it JIT-builds DeepSpeed's CPU comm op once; a stale lock would hang it silently
+        deepspeed.init_distributed()  # on CUDA it adopts the group made above
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
@@ -94,6 +95,20 @@ def init_distributed() -> DistributedInfo:
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     return DistributedInfo(rank, local_rank, world_size, device)
+
+
+def _init_nccl_bound(local_rank: int) -> None:
+    """The NCCL process group with this rank's GPU bound (``device_id``), made before DeepSpeed's
+    ``init_distributed``, which then adopts it (its path for a group the user initialised). DeepSpeed 0.19.8 binds
+    the device itself only with more than one rank (deepspeedai/DeepSpeed#8248, a new_group failure on one
+    GPU under WSL); unbound, torch warns "Guessing device ID based on global rank" and every barrier, DeepSpeed's
+    and the data index's included, warns "barrier(): using the device under current context". Same backend and
+    timeout as DeepSpeed's own (nccl, DEEPSPEED_TIMEOUT minutes)."""
+    from deepspeed.constants import default_pg_timeout
+
+    torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", timeout=default_pg_timeout, device_id=torch.device("cuda", local_rank))
 
 
 def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> list[float]:
@@ -119,4 +134,13 @@ def all_gather_objects(value: Any) -> list[Any]:
 
 def barrier() -> None:
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(device_ids=barrier_device_ids())
+
+
+def barrier_device_ids() -> list[int] | None:
+    """NCCL: this rank's GPU (init_distributed made it current), so the barrier never guesses a device (torch
+    warns when it has to, and guessing from the global rank hangs where ranks map to GPUs otherwise); None
+    for gloo (CPU), which takes no device ids."""
+    if dist.get_backend() == "nccl":
+        return [torch.cuda.current_device()]
+    return None

@@ -14,6 +14,7 @@ import torch
 from megatron_lite.config import Config
 from megatron_lite.console import console, notice
 from megatron_lite.model import GPT
+from megatron_lite.model.compile import compile_model
 from megatron_lite.training.deepspeed_config import BatchSizes, deepspeed_config
 from megatron_lite.training.distributed import DistributedInfo
 from megatron_lite.training.optim import SkippableAdamW, build_optimizer
@@ -55,6 +56,7 @@ class StagedEngine:
             self.selection = select(model, self.stage.trainable, stage_key(self.stage))
             apply_selection(model, self.selection)
         model.lm_head.fused = self.config.train.fused_loss
+        model.lm_head.gemm = self.config.train.loss_gemm
         mpu = sequence_parallel_mpu(self.config.train.sequence_parallel_size)
         if mpu is not None:
             model.enable_sequence_parallel(mpu.get_sequence_parallel_group())
@@ -105,6 +107,8 @@ def start_engine(config: Config, batch_sizes: BatchSizes, dist_info: Distributed
     resume loads the checkpoint's universal conversion (``checkpointing.plan_resume``)."""
     stage = stage_at(stages, marker.get("step", 0)) if stages else None
     weights_only = resumes_weights_only(stages, resume_dir, marker)
+    if use_tf32(config, dist_info.device):
+        enable_tf32()
     torch.manual_seed(config.seed)
     model = new_model(config, dist_info)
     for each in stages:  # every stage's patterns checked now, not hours later at its start
@@ -141,9 +145,40 @@ def use_compile(config: Config, device: torch.device) -> bool:
     return config.train.compile if config.train.compile is not None else device.type == "cuda"
 
 
+def use_tf32(config: Config, device: torch.device) -> bool:
+    """train.tf32, where null means on for CUDA and off on CPU."""
+    return config.train.tf32 if config.train.tf32 is not None else device.type == "cuda"
+
+
+def enable_tf32() -> None:
+    """TensorFloat-32 for float32 matmuls (cuBLAS) and cuDNN. The pair of ``allow_tf32`` flags, not the newer
+    ``fp32_precision`` properties: on torch 2.13 setting only ``torch.backends.cuda.matmul.fp32_precision`` makes
+    ``torch.get_float32_matmul_precision()`` raise (a "mix of the legacy and new APIs"), which inductor calls,
+    while these flags keep both views consistent (``fp32_precision`` "tf32", matmul precision "high"), warn about
+    nothing, and leave CPU (mkldnn) matmuls alone, unlike ``set_float32_matmul_precision("high")``. Inductor's
+    "TensorFloat32 tensor cores ... not enabled" warning checks ``fp32_precision != "tf32"``."""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+# The first compiled step at 350M (24 layers, micro batch 16 x 512, bf16) on one H200, torch 2.11.0+cu130, with
+# inductor's caches off: forward + backward of the model alone took 14.1 s regional and 64.6 s whole (2026-11-26,
+# whole with train.loss_gemm=input_dtype); the users' command's first step (whole, in DeepSpeed's engine) 67.9 s
+# (docs/gpu.md). Rough by design: the line tells a user why the first step is slow, it predicts nothing.
+COMPILE_FIRST_STEP_SECONDS = {"regional": 15, "whole": 70}
+_COMPILE_WHAT = {"regional": "the repeated block once", "whole": "the whole model as one graph"}
+
+
+def compile_announcement(mode: str) -> str:
+    """The one line a compiled run prints before its first step."""
+    return (f"compiling the model ({mode}: {_COMPILE_WHAT[mode]}; the first step takes about "
+            f"{COMPILE_FIRST_STEP_SECONDS[mode]} s at 350M on a GPU)")
+
+
 def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: DistributedInfo) -> bool:
-    """``model.compile()``: the module's own call is compiled, so its state-dict keys stay as they are
-    (no ``_orig_mod.`` prefix) and checkpoints move freely between compiled and eager runs."""
+    """``compile_model`` as train.compile_mode says (each block, or the model's whole call): in place, so its
+    state-dict keys stay as they are (no ``_orig_mod.`` prefix) and checkpoints move freely between compiled
+    and eager runs."""
     if not use_compile(config, dist_info.device):
         return False
     if config.train.zero_stage == 3:  # ZeRO-3 gathers parameters in module hooks that a compiled graph would trace
@@ -151,5 +186,5 @@ def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: Distrib
             notice("train.compile: not with train.zero_stage=3 (its parameter-gathering hooks do not trace); "
                    "training eagerly")
         return False
-    model.compile()
+    compile_model(model, config.train.compile_mode)
     return True

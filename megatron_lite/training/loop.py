@@ -28,7 +28,7 @@ from megatron_lite.training.checkpointing import (
 from megatron_lite.training.data import TrainingData, prepare_training_data
 from megatron_lite.training.deepspeed_config import BatchSizes, resolve_batch_sizes
 from megatron_lite.training.distributed import DistributedInfo, init_distributed
-from megatron_lite.training.engine import StagedEngine, resumes_weights_only, start_engine
+from megatron_lite.training.engine import StagedEngine, compile_announcement, resumes_weights_only, start_engine
 from megatron_lite.training.identity import TokenizerChange, tokenizer_change
 from megatron_lite.training.reporting import StepReport
 from megatron_lite.training.run_lock import hold_run_dir
@@ -209,7 +209,8 @@ def _starting_state(staged: StagedEngine, resume_dir: Path | None, plan: ResumeP
 
 def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, staged: StagedEngine, run_dir: Path,
               resume_dir: Path | None, state: TrainingState, dropped_rows: int) -> None:
-    """Rank 0's header: the model, batch, steps and run dir; the stage and optimizer groups; dropped rows."""
+    """Rank 0's header: the model, batch, steps and run dir; the stage and optimizer groups; dropped rows; and,
+    for a compiled run, that the first step compiles."""
     dist_info = staged.dist_info
     console(
         f"model: {counted_parameter_count(config.model):,} parameters, scheme {config.model.position.label}, "
@@ -224,6 +225,8 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
     if dropped_rows:
         console(f"metrics.jsonl: dropped {dropped_rows} row(s) logged after step {state.step} "
                 "by the interrupted attempt (those steps are redone)")
+    if staged.compiled:  # last, just before the first step: the long wait follows it
+        console(compile_announcement(config.train.compile_mode))
 
 
 def _ending(stopped_by: str, signal_name: str | None) -> dict[str, str]:

@@ -1,0 +1,234 @@
+"""The CUDA defaults of a training run (issue 35, item 3), checked on CPU: TF32, regional compile, fused AdamW,
+a bound NCCL device, DataLoader workers that are not forked, and the config keys that choose them.
+
+The CUDA side of each (the warnings a GPU run no longer prints, fused AdamW under DeepSpeed's bf16 and ZeRO
+wrappers on CUDA tensors) needs a GPU: ``python tests/test_cuda_defaults.py fused-step`` is the worker the
+slow test below runs on CPU, and runs as it is on a GPU node.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import typing
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from megatron_lite import config as config_lib
+from megatron_lite.config import schema
+from megatron_lite.model import GPT
+from megatron_lite.model.compile import COMPILE_MODES
+from megatron_lite.training import engine as engine_lib
+from megatron_lite.training.data import WORKER_START_METHOD
+from megatron_lite.training.distributed import DistributedInfo
+from megatron_lite.training.optim import build_optimizer, set_fused, use_fused_adamw
+
+CPU = DistributedInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+CUDA = torch.device("cuda", 0)
+
+
+TINY_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 250,
+              "position": {"scheme": "rope"}}
+
+
+def with_train(precision: str = "fp32", **train: object) -> config_lib.Config:
+    return config_lib.from_dict({"model": TINY_MODEL, "train": train, "precision": precision})
+
+
+@pytest.mark.parametrize(("key", "value"), [("compile_mode", "layers"), ("loss_gemm", "bf16"), ("tf32", "yes"),
+                                            ("fused_optimizer", 1)])
+def test_bad_values_name_the_key(key: str, value: object) -> None:
+    with pytest.raises(ValueError, match=rf"train\.{key}="):
+        with_train(**{key: value})
+
+
+def test_defaults_and_the_model_modules_agree_on_the_choices() -> None:
+    train = config_lib.from_dict({}).train
+    assert (train.compile_mode, train.loss_gemm, train.tf32, train.fused_optimizer) == ("regional", "mixed", None, None)
+    assert typing.get_args(schema.CompileMode) == COMPILE_MODES
+    loss_gemms = getattr(__import__("megatron_lite.model.loss", fromlist=["x"]), "LOSS_GEMMS", None)
+    if loss_gemms is not None:  # model/loss.py's modes (added beside this change)
+        assert typing.get_args(schema.LossGemm) == loss_gemms
+
+
+@pytest.mark.parametrize(("setting", "on_cuda", "on_cpu"), [(None, True, False), (True, True, True),
+                                                           (False, False, False)])
+def test_tf32_on_with_cuda_unless_set(setting: bool | None, on_cuda: bool, on_cpu: bool) -> None:
+    config = with_train(tf32=setting)
+    assert engine_lib.use_tf32(config, CUDA) is on_cuda
+    assert engine_lib.use_tf32(config, torch.device("cpu")) is on_cpu
+
+
+def test_enable_tf32_satisfies_inductor_and_warns_nothing() -> None:
+    """Inductor warns unless ``torch.backends.cuda.matmul.fp32_precision == "tf32"`` (compile_fx's
+    _warn_tf32_disabled); and the legacy flags keep ``get_float32_matmul_precision`` readable (inductor calls it)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    precision = torch.get_float32_matmul_precision()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            engine_lib.enable_tf32()
+            assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+            assert torch.get_float32_matmul_precision() == "high"
+            assert torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    assert torch.get_float32_matmul_precision() == precision
+
+
+@pytest.mark.parametrize("mode", COMPILE_MODES)
+def test_compile_mode_compiles_each_block_or_the_whole_model(mode: str) -> None:
+    """Wrapped in place, compiled lazily: nothing runs inductor here."""
+    model = GPT(tiny_config().model)
+    assert engine_lib._compile_in_place(model, with_train(compile=True, compile_mode=mode), CPU)
+    blocks = [layer._compiled_call_impl is not None for layer in model.layers]
+    assert blocks == [mode == "regional"] * len(model.layers)
+    assert (model._compiled_call_impl is not None) is (mode == "whole")
+    announced = engine_lib.compile_announcement(mode)
+    assert announced.startswith(f"compiling the model ({mode}: ") and "\n" not in announced
+    assert f"about {engine_lib.COMPILE_FIRST_STEP_SECONDS[mode]} s" in announced
+
+
+def test_compile_off_on_cpu_and_at_zero_3() -> None:
+    model = GPT(tiny_config().model)
+    assert not engine_lib._compile_in_place(model, with_train(), CPU)  # null: off on CPU
+    with pytest.warns(UserWarning, match="zero_stage=3"):
+        assert not engine_lib._compile_in_place(model, with_train(compile=True, zero_stage=3), CPU)
+    assert all(layer._compiled_call_impl is None for layer in model.layers)
+
+
+def test_fused_adamw_by_default_on_cuda_only() -> None:
+    model = GPT(tiny_config().model)
+    parameters = list(model.parameters())
+    assert not use_fused_adamw(parameters, None)  # CPU: unfused
+    assert not use_fused_adamw(parameters, False)
+    assert use_fused_adamw(parameters, True)  # torch fuses on CPU too, when asked
+    with pytest.raises(ValueError, match=r"train\.fused_optimizer=true: .* torch\.int64"):
+        use_fused_adamw([torch.zeros(2, dtype=torch.int64)], True)
+    default = build_optimizer(model, with_train().train)
+    assert not default.fused_wanted and default.param_groups[0]["fused"] is None
+    assert "fused" not in default.groups_summary
+    fused = build_optimizer(model, with_train(fused_optimizer=True).train)
+    assert fused.fused_wanted and fused.param_groups[0]["fused"] and fused.groups_summary.endswith("; fused AdamW")
+
+
+def test_fused_flag_survives_a_state_load_from_an_unfused_run() -> None:
+    """A load takes the checkpoint's ``fused``; ``set_fused`` puts the run's back, with the Adam step counters
+    where that path keeps them, and the next update matches an unfused one."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(8, 8)
+    reference = build_optimizer(layer, with_train(lr=0.1).train)
+    layer(torch.randn(4, 8)).square().sum().backward()
+    reference.step()
+    state = copy.deepcopy(reference.state_dict())  # its tensors would be shared with the reference's otherwise
+    resumed = build_optimizer(layer, with_train(lr=0.1, fused_optimizer=True).train)
+    resumed.load_state_dict(state)
+    assert resumed.param_groups[0]["fused"] is None  # the checkpoint's flag
+    set_fused(resumed, resumed.fused_wanted)
+    assert resumed.param_groups[0]["fused"] is True
+    assert all(s["step"].dtype == torch.float32 and s["step"].device == p.device
+               for p, s in resumed.state.items())
+    before = [p.detach().clone() for p in layer.parameters()]
+    resumed.step()
+    after_fused = [p.detach().clone() for p in layer.parameters()]
+    with torch.no_grad():
+        for parameter, value in zip(layer.parameters(), before):
+            parameter.copy_(value)
+    reference.step()
+    for parameter, expected in zip(layer.parameters(), after_fused):
+        torch.testing.assert_close(parameter.detach(), expected)
+
+
+def test_dataloader_workers_are_spawned_not_forked(training_corpus) -> None:
+    """The run's training loader starts its workers fresh (no fork of a threaded process); the validation
+    loader has none."""
+    from megatron_lite.training.data import prepare_training_data
+    from megatron_lite.training.deepspeed_config import resolve_batch_sizes
+    from training_helpers import tiny_train_config
+
+    mix, cache = training_corpus
+    config = config_lib.from_dict(tiny_train_config(mix, cache, num_workers=1))
+    batch = resolve_batch_sizes(config, 1)
+    data = prepare_training_data(config, batch, CPU, train_iters=None)
+    train_loader, valid_loader = data.loaders(config, batch, CPU, consumed_samples=0)
+    assert train_loader.num_workers == 1
+    assert train_loader.multiprocessing_context.get_start_method() == WORKER_START_METHOD == "spawn"
+    assert valid_loader is not None and valid_loader.num_workers == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# fused AdamW under DeepSpeed's wrappers: a one-rank worker (CPU here; the same script on a GPU node)
+
+
+FUSED_CASES = [("bf16", 0), ("bf16", 1), ("bf16", 2), ("fp32", 0)]
+
+
+def fused_step_worker() -> dict[str, object]:
+    """Three steps of a tiny model through ``deepspeed.initialize`` with the run's optimizer, unfused and fused
+    (null on CUDA, true on CPU), per (precision, ZeRO stage): the fused run's weights against the unfused run's."""
+    from megatron_lite.training.distributed import barrier, free_port, init_distributed
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    dist_info = init_distributed()
+    barrier()
+    import deepspeed
+
+    from megatron_lite.model import language_model_loss
+    from megatron_lite.training.deepspeed_config import deepspeed_config, resolve_batch_sizes
+
+    cuda = dist_info.device.type == "cuda"
+    results: dict[str, object] = {"device": str(dist_info.device)}
+    for precision, stage in FUSED_CASES:
+        weights = {}
+        for fused in (False, True):
+            settings = {"zero_stage": stage, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                        "lr": 1e-2, "fused_optimizer": (None if cuda else True) if fused else False}
+            config = with_train(precision, **settings)
+            torch.manual_seed(0)
+            model = engine_lib.new_model(config, dist_info)
+            optimizer = build_optimizer(model, config.train)
+            assert optimizer.fused_wanted is fused
+            engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                              config=deepspeed_config(config, resolve_batch_sizes(config, 1)))
+            batches = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                tokens = torch.randint(0, 250, (2, 17), generator=batches).to(dist_info.device)
+                engine.backward(language_model_loss(engine(tokens[:, :-1]), tokens[:, 1:]))
+                engine.step()
+            assert all(bool(group["fused"]) is fused for group in optimizer.param_groups)
+            weights[fused] = {name: value.detach().float().cpu() for name, value in engine.module.state_dict().items()}
+            engine.destroy()
+        error = max((weights[True][name] - weights[False][name]).abs().max().item() for name in weights[False])
+        results[f"{precision}_zero{stage}"] = error
+    barrier()
+    torch.distributed.destroy_process_group()
+    return results
+
+
+@pytest.mark.slow
+def test_fused_adamw_runs_under_deepspeeds_bf16_and_zero_wrappers() -> None:
+    """One rank, every wrapper the project uses at ZeRO 0-2 (bf16: BF16_Optimizer, ZeRO 1/2: the ZeRO optimizer;
+    fp32 ZeRO 0: the client optimizer as is): the fused update equals the unfused one."""
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        environment.pop(name, None)
+    done = subprocess.run([sys.executable, __file__, "fused-step"], capture_output=True, text=True, timeout=600,
+                          env=environment, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, error in results.items():
+        if case != "device":
+            # fp32: the fused kernel's rounding, grown over 3 steps (1.5e-5 on CPU, 8e-6 on an H200); bf16: the
+            # module's bf16 weights, an ulp or two apart (0.013 on an H200)
+            assert error < (1e-4 if case.startswith("fp32") else 2e-2), (case, error)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["fused-step"]:
+    print(json.dumps(fused_step_worker()))
