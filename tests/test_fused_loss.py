@@ -177,3 +177,14 @@ def test_gemm_modes_equal_fp32_for_float32_inputs(gemm: str) -> None:
     hidden, weight, labels = inputs(50, 97, 24, ignored=3)
     assert_results_close(run(lambda h, w, y: chunked_cross_entropy(h, w, y, 16, gemm=gemm), hidden, weight, labels),
                          run(fused(16), hidden, weight, labels), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("factor", [-2.5, 0.0], ids=["negative", "zero"])
+def test_gradient_of_a_scaled_loss(factor: float) -> None:
+    """The backward puts |grad| into the exponent and the sign on the outputs: a loss times -2.5 (or 0) still
+    gets the plain path's gradients."""
+    hidden, weight, labels = inputs(50, 97, 24, torch.float64, ignored=5)
+    scaled = (lambda loss_fn: lambda h, w, y: loss_fn(h, w, y) * factor)
+    reference = scaled(lambda h, w, y: F.cross_entropy(F.linear(h, w), y))
+    assert_results_close(run(scaled(fused(16)), hidden, weight, labels), run(reference, hidden, weight, labels),
+                         rtol=1e-6, atol=1e-12)

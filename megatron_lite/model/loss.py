@@ -116,49 +116,55 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         valid_N = labels_N != ignore_index
         safe_labels_N = labels_N.masked_fill(~valid_N, 0)  # ignored rows gather a real column, then drop out
         total = hidden_NC.new_zeros((), dtype=gemms.compute_dtype)
+        logsumexp_N = hidden_NC.new_empty(hidden_NC.shape[:1], dtype=gemms.compute_dtype)  # kept for backward
         for start, end in _chunk_bounds(hidden_NC.shape[0], chunk_tokens):
             logits_nV = gemms.matmul(gemms.operand(hidden_NC[start:end]), weight_CV)  # (n, V) compute dtype
             target_n = logits_nV.gather(1, safe_labels_N[start:end, None]).squeeze(1)
             max_n1 = _exp_shifted_(logits_nV)
             logsumexp_n = logits_nV.sum(dim=1).log_() + max_n1.squeeze(1)
+            logsumexp_N[start:end] = logsumexp_n
             total = total + torch.where(valid_N[start:end], logsumexp_n - target_n, 0).sum()
             del logits_nV  # free this chunk before the next one's matmul allocates
-        ctx.save_for_backward(hidden_NC, weight_VC, labels_N)
+        ctx.save_for_backward(hidden_NC, weight_VC, labels_N, logsumexp_N)
         ctx.chunk_tokens, ctx.ignore_index, ctx.gemm = chunk_tokens, ignore_index, gemm
         # count stays a tensor (no host sync); all ignored gives 0/0 = nan, as F.cross_entropy does
         return total / valid_N.sum()
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden_NC, weight_VC, labels_N = ctx.saved_tensors
+        hidden_NC, weight_VC, labels_N, logsumexp_N = ctx.saved_tensors
         gemms = _HeadGemms(ctx.gemm, hidden_NC, weight_VC)
         dtype, weight_op_VC = gemms.compute_dtype, gemms.weight_VC
         valid_N = labels_N != ctx.ignore_index
         safe_labels_N = labels_N.masked_fill(~valid_N, 0)
-        # d loss / d (per-token NLL): grad / count on kept rows, exactly 0 on ignored ones (also when the
-        # count is 0, where F.cross_entropy's gradient is 0 too, not nan)
-        scale_N = torch.where(valid_N, grad_loss.to(dtype) / valid_N.sum(), 0)
+        # d loss / d (per-token NLL) = sign * scale: |grad| / count on kept rows, exactly 0 on ignored ones (also
+        # when the count is 0, where F.cross_entropy's gradient is 0 too, not nan). The scale goes into the
+        # exponent, scale * softmax = exp(logits - (logsumexp - log scale)), so the (n, V) chunk takes two
+        # elementwise passes (shift, exp) instead of six (max, shift, exp, sum, divide, scale); log 0 = -inf
+        # zeroes ignored rows. The sign (a loss multiplied by -1) is applied to the GEMMs' small outputs.
+        grad_loss = grad_loss.to(dtype)
+        scale_N = torch.where(valid_N, grad_loss.abs() / valid_N.sum(), 0)
+        shift_N1 = (logsumexp_N - scale_N.log())[:, None]
+        sign = grad_loss.sign()
         grad_hidden_NC = torch.empty_like(hidden_NC)
         grad_weight_VC = torch.zeros(weight_VC.shape, dtype=dtype, device=weight_VC.device)
         for start, end in _chunk_bounds(hidden_NC.shape[0], ctx.chunk_tokens):
             hidden_op_nC = gemms.operand(hidden_NC[start:end])
-            # d NLL / d logits = softmax - one_hot, built in place on the recomputed logits
+            # scale * (d NLL / d logits) = scale * (softmax - one_hot), built in place on the recomputed logits
             grad_nV = gemms.matmul(hidden_op_nC, weight_op_VC.t())
-            _exp_shifted_(grad_nV)
-            grad_nV.div_(grad_nV.sum(dim=1, keepdim=True))
-            grad_nV.scatter_add_(1, safe_labels_N[start:end, None], grad_nV.new_full((end - start, 1), -1.0))
-            grad_nV.mul_(scale_N[start:end, None])
+            grad_nV.sub_(shift_N1[start:end]).exp_()
+            grad_nV.scatter_add_(1, safe_labels_N[start:end, None], -scale_N[start:end, None])
             # rounded to the operand dtype half a chunk at a time: a quarter chunk of extra memory, not half
             step = max(1, (end - start + 1) // 2) if gemms.rounds_gradient else end - start
             for sub in range(0, end - start, step):
                 rows = slice(sub, min(sub + step, end - start))
                 grad_op_mV = gemms.operand(grad_nV[rows])
-                grad_hidden_NC[start + rows.start:start + rows.stop] = gemms.matmul(grad_op_mV, weight_op_VC).to(
+                grad_hidden_NC[start + rows.start:start + rows.stop] = (gemms.matmul(grad_op_mV, weight_op_VC) * sign).to(
                     hidden_NC.dtype)
                 grad_weight_VC = gemms.add_matmul(grad_weight_VC, grad_op_mV.t(), hidden_op_nC[rows])
                 del grad_op_mV
             del grad_nV  # free this chunk before the next one's matmul allocates
-        return grad_hidden_NC, grad_weight_VC.to(weight_VC.dtype), None, None, None, None
+        return grad_hidden_NC, grad_weight_VC.mul_(sign).to(weight_VC.dtype), None, None, None, None
 
 
 def _check_inputs(hidden_NC: torch.Tensor, weight_VC: torch.Tensor, labels_N: torch.Tensor, chunk_tokens: int) -> None:
