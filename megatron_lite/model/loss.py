@@ -89,6 +89,8 @@ class _HeadGemms:
 
     def add_matmul(self, total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """total + a @ b, total in the compute dtype (the weight gradient's running sum)."""
+        if self.operand_dtype == self.compute_dtype:
+            return total.addmm_(a, b)  # in place: no (V, C) temporary
         # mm + add, not addmm(out_dtype=...): torch 2.11's fake-tensor pass fails on addmm.dtype under compile
         return total.add_(self.matmul(a, b))
 
