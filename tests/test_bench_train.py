@@ -79,3 +79,37 @@ def test_cli_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         cli.main(["--compile-schemes", "bogus"])
     with pytest.raises(ValueError, match="compile schemes"):  # checked before anything runs
         run_cpu_comparison(TrainBenchSettings(**TINY, compile_schemes=["bogus"]), progress=lambda line: None)
+
+
+def test_census_and_compile_time_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--census and --compile-time reach their settings and skip the throughput comparison (the runs themselves:
+    tests/test_step_census.py)."""
+    from megatron_lite.bench import predictors
+
+    cli = load_script("tools/bench_train.py")
+    seen: dict[str, object] = {}
+
+    def census(settings: object, progress: object) -> list:
+        seen["census"] = settings
+        return []
+
+    def compile_time(settings: object, progress: object) -> dict:
+        seen["compile_time"] = settings
+        return {"settings": settings.__dict__, "rows": [], "ratios": {}}
+
+    monkeypatch.setattr(predictors, "run_census", census)
+    monkeypatch.setattr(predictors, "run_compile_time", compile_time)
+    monkeypatch.setattr(predictors, "format_census", lambda rows, settings: "census table\n")
+    monkeypatch.setattr(cli, "run_cpu_comparison", lambda *args, **kwargs: pytest.fail("throughput ran"))
+    assert cli.main(["--census", "--census-devices", "meta", "--census-gemm", "mixed", "fp32", "--compile-time",
+                     "--compile-layers", "2", "--compile-backend", "eager", "--compile-modes", "whole,regional"]) == 0
+    assert seen["census"].devices == ["meta"] and seen["census"].gemms == ["mixed", "fp32"]
+    assert seen["census"].precision == "bf16" and seen["census"].schemes == ["rope", "coca_slack", "coca_strict", "alibi"]
+    compile_settings = seen["compile_time"]
+    assert (compile_settings.layers, compile_settings.hidden, compile_settings.backend) == (2, 128, "eager")
+    assert compile_settings.modes == ["whole", "regional"]
+    assert "census table" in capsys.readouterr().out
+    assert cli.main(["--compile-time", "--compile-modes", "whole,bogus"]) == 2  # one error line, nothing run
+    assert cli.main(["--census", "--census-devices", "tpu"]) == 2
+    errors = capsys.readouterr().err
+    assert "--compile-modes 'whole,bogus'" in errors and "--census-devices 'tpu'" in errors

@@ -11,6 +11,17 @@ each sequence-parallel size (one launch of P ranks each; megatron_lite/bench/seq
 
     python tools/bench_train.py --sequence-parallel 1,2,4 [--sequence-length 8192] [--json OUT.json]
 
+CPU figures that predict the GPU (docs/benchmarks.md#what-the-cpu-figures-predict-on-a-gpu), each with its ratios
+from one run, instead of the throughput comparison:
+
+    python tools/bench_train.py --census [--census-devices cpu,meta] [--census-config configs/coca_350m.yml]
+    python tools/bench_train.py --compile-time [--compile-layers 24 --compile-hidden 128]
+
+``--census``: for our schemes and the Hugging Face twin, one bf16 training step counted under a dispatch mode:
+the share of GEMM FLOPs with float32 operands, sync-class operations, dispatched operators
+(megatron_lite/bench/step_census.py, census_bench.py). ``--compile-time``: first step and compiled step,
+compile_model "whole" vs "regional", each in a fresh process (megatron_lite/bench/compile_time.py).
+
 The logic lives in megatron_lite/bench/train_bench.py.
 """
 
@@ -23,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_lite.bench.predictors import add_predictor_arguments, predictor_mode
 from megatron_lite.bench.train_bench import (
     COMPILE_SCHEMES,
     TrainBenchSettings,
@@ -54,9 +66,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequence-length", type=int, default=8192, help="sequence-parallel mode: the length")
     parser.add_argument("--sequence-parallel-steps", type=int, default=2,
                         help="sequence-parallel mode: timed steps per size (median reported)")
+    add_predictor_arguments(parser)
     args = parser.parse_args(argv)
     if args.sequence_parallel is not None:
         return _sequence_parallel_mode(args)
+    if args.census or args.compile_time:
+        return predictor_mode(args)
     for name in ("batch_size", "rounds", "steps_per_round", "gpu_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")

@@ -1,0 +1,102 @@
+"""tools/bench_train.py's flags for the CPU figures that predict the GPU: ``--census`` (census_bench.py over
+step_census.py) and ``--compile-time`` (compile_time.py). Each prints its table and ratios from one run;
+``--json`` writes both results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from megatron_lite.bench.census_bench import CENSUS_DEVICES, CENSUS_SCHEMES, CensusSettings, format_census, run_census
+from megatron_lite.bench.compile_time import MODES, CompileTimeSettings, format_compile_time, run_compile_time
+
+LOSS_GEMMS = ("mixed", "input_dtype", "fp32")
+
+
+def _names(value: str, known: tuple[str, ...], flag: str) -> list[str]:
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise ValueError(f"{flag} {value!r}: expected a comma-separated list of {', '.join(known)}")
+    return names
+
+
+def add_predictor_arguments(parser: argparse.ArgumentParser) -> None:
+    census = parser.add_argument_group("step census (--census)")
+    census.add_argument("--census", action="store_true",
+                        help="print the step census of ours and the HF twin (fp32-operand GEMM share, sync ops, "
+                             "dispatched ops per step) instead of the throughput comparison")
+    census.add_argument("--census-config", default="configs/tiny/rope.yml", help="model dimensions of the census")
+    census.add_argument("--census-batch-size", type=int, default=2)
+    census.add_argument("--census-devices", default=",".join(CENSUS_DEVICES),
+                        help="where to count: cpu (CPU kernels), meta (the CUDA path's operators, any size)")
+    census.add_argument("--census-schemes", default=",".join(CENSUS_SCHEMES), help="our schemes counted")
+    census.add_argument("--census-gemm", nargs="+", choices=LOSS_GEMMS, default=None, metavar="MODE",
+                        help="loss-head GEMM modes counted for our models (default: the model's own)")
+    census.add_argument("--census-precision", default="bf16", choices=("bf16", "fp16", "fp32"))
+    census.add_argument("--census-optimizer", action="store_true", help="count the AdamW step too (reported apart)")
+    compile_time = parser.add_argument_group("compile time (--compile-time)")
+    compile_time.add_argument("--compile-time", action="store_true",
+                              help="time the first step and the compiled step, compile_model whole vs regional, "
+                                   "each in a fresh process (uses --compile-backend)")
+    defaults = CompileTimeSettings()
+    compile_time.add_argument("--compile-layers", type=int, default=defaults.layers)
+    compile_time.add_argument("--compile-hidden", type=int, default=defaults.hidden)
+    compile_time.add_argument("--compile-heads", type=int, default=defaults.heads)
+    compile_time.add_argument("--compile-seq-length", type=int, default=defaults.seq_length)
+    compile_time.add_argument("--compile-vocab", type=int, default=defaults.vocab)
+    compile_time.add_argument("--compile-batch-size", type=int, default=defaults.batch_size)
+    compile_time.add_argument("--compile-scheme", default=defaults.scheme)
+    compile_time.add_argument("--compile-steps", type=int, default=defaults.steps,
+                              help="timed steps after the first two (median)")
+    compile_time.add_argument("--compile-modes", default=",".join(MODES), help="eager (reference), whole, regional")
+    compile_time.add_argument("--compile-repeats", type=int, default=defaults.repeats,
+                              help="fresh processes per mode, interleaved (medians reported)")
+    compile_time.add_argument("--compile-threads", type=int, default=defaults.threads,
+                              help="torch threads per worker (0: torch's default)")
+
+
+def census_settings(args: argparse.Namespace) -> CensusSettings:
+    if args.census_batch_size < 1:
+        raise ValueError(f"--census-batch-size {args.census_batch_size}: must be >= 1")
+    return CensusSettings(config_path=args.census_config, batch_size=args.census_batch_size,
+                          precision=args.census_precision,
+                          devices=_names(args.census_devices, (*CENSUS_DEVICES, "cuda"), "--census-devices"),
+                          schemes=_names(args.census_schemes, CENSUS_SCHEMES, "--census-schemes"),
+                          gemms=args.census_gemm, optimizer=args.census_optimizer)
+
+
+def compile_time_settings(args: argparse.Namespace) -> CompileTimeSettings:
+    for name in ("layers", "hidden", "heads", "seq_length", "vocab", "batch_size", "steps", "repeats"):
+        if getattr(args, f"compile_{name}") < 1:
+            raise ValueError(f"--compile-{name.replace('_', '-')} {getattr(args, f'compile_{name}')}: must be >= 1")
+    return CompileTimeSettings(layers=args.compile_layers, hidden=args.compile_hidden, heads=args.compile_heads,
+                               seq_length=args.compile_seq_length, vocab=args.compile_vocab,
+                               batch_size=args.compile_batch_size, scheme=args.compile_scheme,
+                               backend=args.compile_backend, steps=args.compile_steps,
+                               modes=_names(args.compile_modes, MODES, "--compile-modes"),
+                               repeats=args.compile_repeats, threads=args.compile_threads)
+
+
+def predictor_mode(args: argparse.Namespace) -> int:
+    """--census and/or --compile-time: tables on stdout, progress on stderr, both results to --json."""
+    census = census_settings(args) if args.census else None  # every flag checked before anything runs
+    compile_time = compile_time_settings(args) if args.compile_time else None
+    if compile_time is not None:
+        compile_time.overrides()  # an unknown --compile-scheme stops here
+    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    output: dict[str, object] = {}
+    if census is not None:
+        rows = run_census(census, progress)
+        print(format_census(rows, census), end="")
+        output["census"] = {"settings": census.__dict__, "rows": rows}
+    if compile_time is not None:
+        result = run_compile_time(compile_time, progress)
+        print(("\n" if census is not None else "") + format_compile_time(result), end="")
+        output["compile_time"] = result
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(output, indent=2) + "\n")
+        print(f"\nwrote {args.json}")
+    return 0

@@ -1,0 +1,129 @@
+"""The step census (megatron_lite/bench/step_census.py) counts known tiny cases exactly: GEMM FLOPs by
+operand dtype, SDPA FLOPs apart, sync-class operations (item, nonzero, host-to-device copies), per phase;
+census_bench's table for our schemes and the HF twin on meta; compile_time's worker at toy size with the
+dynamo-only "eager" backend (the inductor comparison itself is a benchmark, not a test)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from conftest import tiny_config
+from megatron_lite import config as config_lib
+from megatron_lite.bench.census_bench import HF_TWIN, CensusSettings, format_census, run_census
+from megatron_lite.bench.compile_time import (
+    CompileTimeSettings,
+    _summary,
+    format_compile_time,
+    measure_in_process,
+    worker_env,
+)
+from megatron_lite.bench.step_census import HOST_TO_DEVICE, census_step
+
+
+class TwoGemms(nn.Module):
+    """One float32 GEMM (4x8 @ 8x16) and one bf16 GEMM (4x16 @ 16x4); optionally an ``.item()``, a
+    ``nonzero`` and a host tensor copied to the device in forward."""
+
+    def __init__(self, syncs: bool = False) -> None:
+        super().__init__()
+        self.w32 = nn.Parameter(torch.randn(8, 16))
+        self.w16 = nn.Parameter(torch.randn(16, 4, dtype=torch.bfloat16))
+        self.syncs = syncs
+
+    def forward(self, ids_BT: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = torch.ones(4, 8, device=ids_BT.device)  # no grad: only w32's gradient GEMM in backward
+        h = x @ self.w32  # fp32: 2*4*8*16 = 1024 FLOPs; backward dW32 = x^T @ g: 1024
+        out = h.to(torch.bfloat16) @ self.w16  # bf16: 2*4*16*4 = 512; backward dh and dW16: 512 each
+        loss = out.float().sum()
+        if self.syncs:
+            if float(loss.detach()) > 1e30:  # one item
+                loss = loss * 0
+            torch.nonzero(ids_BT)
+            loss = loss + torch.arange(3.0).to(ids_BT.device).sum() * 0  # a host tensor into the device
+        return loss
+
+
+def test_flop_shares_by_operand_dtype_and_phase() -> None:
+    census = census_step(TwoGemms(), torch.zeros(1, 5, dtype=torch.long))
+    forward, backward = census.phases["forward"], census.phases["backward"]
+    assert dict(forward.gemm_flops) == {"float32": 1024, "bfloat16": 512}
+    assert dict(backward.gemm_flops) == {"float32": 1024, "bfloat16": 1024}
+    assert census.gemm_flops == 3584 and census.fp32_gemm_flops == 2048
+    assert census.fp32_share == pytest.approx(2048 / 3584)
+    assert census.sync_count == 0 and census.sdpa_flops == 0
+    assert census.dispatched_ops == forward.dispatched_ops + backward.dispatched_ops > 6
+    assert 0 < census.non_view_ops == census.dispatched_ops - forward.view_ops - backward.view_ops
+
+
+def test_sync_ops_counted_in_forward_and_host_copies_only_off_the_cpu() -> None:
+    ids = torch.ones(1, 5, dtype=torch.long)
+    on_cpu = census_step(TwoGemms(syncs=True), ids)
+    assert dict(on_cpu.phases["forward"].sync_ops) == {"_local_scalar_dense": 1, "nonzero": 1}
+    assert not on_cpu.phases["backward"].sync_ops
+    assert on_cpu.sync_count == 2  # the host is the device: a copy from it is no copy
+    with torch.device("meta"):
+        model = TwoGemms(syncs=True)
+    on_meta = census_step(model, ids.to("meta"))  # item and nonzero answered by stand-ins
+    assert dict(on_meta.sync_ops) == {"_local_scalar_dense": 1, "nonzero": 1, HOST_TO_DEVICE: 1}
+    assert on_meta.fp32_share == pytest.approx(on_cpu.fp32_share)
+    with pytest.raises(ValueError, match="census on cpu: the model is on meta"):
+        census_step(model, ids, device="cpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_sdpa_flops_counted_apart(device: str) -> None:
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Parameter(torch.randn(1, 2, 8, 4))
+
+        def forward(self, ids_BT: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(self.q, self.q, self.q, is_causal=True).sum()
+
+    with torch.device(device):
+        model = Attention()
+    census = census_step(model, torch.zeros(1, 5, dtype=torch.long, device=device))
+    # B*H*T*S*D = 1*2*8*8*4 = 512: forward 4x, backward 8x; meta takes CUDA's fused kernel, not bmm
+    assert dict(census.phases["forward"].sdpa_flops) == {"float32": 2048}
+    assert dict(census.phases["backward"].sdpa_flops) == {"float32": 4096}
+    assert census.gemm_flops == 0
+
+
+def test_census_table_for_our_schemes_and_the_hf_twin(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.yml"
+    config_lib.save(tiny_config("rope"), path)
+    settings = CensusSettings(config_path=str(path), devices=["meta"], schemes=["rope", "alibi"])
+    rows = run_census(settings, progress=lambda line: None)
+    assert [(row["model"], row["scheme"]) for row in rows] == [("ours", "rope"), ("ours", "alibi"), (HF_TWIN, "rope")]
+    twin = rows[-1]
+    assert twin["fp32_share"] == 0.0 and twin["gemm"] is None  # bf16 logits, float32 cross entropy
+    assert all(row["gemm_flops"] > 0 and row["sdpa_flops"] > 0 and row["dispatched_ops"] > 0 for row in rows)
+    report = format_census(rows, settings)
+    assert "| meta | ours | rope |" in report and "meta rope" in report and f"/ {HF_TWIN}:" in report
+
+
+def test_compile_time_worker_at_toy_size() -> None:
+    settings = CompileTimeSettings(layers=2, hidden=32, heads=2, seq_length=16, vocab=128, batch_size=2, steps=1,
+                                   backend="eager")
+    torch._dynamo.reset()
+    try:
+        row = measure_in_process(settings, "regional")
+    finally:
+        torch._dynamo.reset()
+    assert row["mode"] == "regional" and row["first_step_s"] > 0 and row["step_ms"] > 0
+    env = worker_env("/tmp/x")
+    assert env["TORCHINDUCTOR_FX_GRAPH_CACHE"] == "0" and env["TORCHINDUCTOR_AUTOGRAD_CACHE"] == "0"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == env["TMPDIR"] == "/tmp/x"
+    summary = _summary([row, row])
+    assert summary["runs"] == 2 and summary["first_step_s"] == summary["first_step_min_s"] == row["first_step_s"]
+    result = {"settings": settings.__dict__, "ratios": {"first_step_whole_over_regional": 4.0,
+                                                        "first_step_cpu_whole_over_regional": 3.5,
+                                                        "step_regional_over_whole": 1.01},
+              "rows": [{**summary, "mode": mode} for mode in ("whole", "regional")]}
+    report = format_compile_time(result)
+    assert "first step whole / regional: 4.00x wall, 3.50x CPU time (target >= 3x: PASS)" in report
