@@ -215,6 +215,16 @@ class GPT(nn.Module):
         if ctx.shard is not None:  # (B, T) -> (B, T/P): this rank's tokens (model/sequence_parallel.py)
             input_ids_BT, labels = ctx.shard.local(input_ids_BT), ctx.shard.local(labels)
 
+        output = self.decode(input_ids_BT, ctx, cache, logits_from, labels)
+        if parallel is not None:
+            assert labels is not None and all_labels_BT is not None
+            return parallel.sequence_loss(output, labels, all_labels_BT)
+        return output
+
+    def decode(self, input_ids_BT: torch.Tensor, ctx: PositionContext, cache: KVCache | None, logits_from: int,
+               labels: torch.Tensor | None) -> torch.Tensor:
+        """Embedding, blocks, final norm and head over a built context: logits, or the loss with labels. The
+        part ``compile_model``'s whole mode compiles as one graph, so the context's tables come in as inputs."""
         x_BTC = self.embed_in(input_ids_BT)
         position_embedding = self.position.embed(ctx.positions, ctx.last_position)
         if position_embedding is not None:
@@ -226,11 +236,7 @@ class GPT(nn.Module):
                 x_BTC = checkpoint(layer, x_BTC, self.position, ctx, None, use_reentrant=False)
             else:
                 x_BTC = layer(x_BTC, self.position, ctx, layer_cache)
-        output = self.lm_head(self.final_layer_norm(x_BTC[:, logits_from:]), labels)
-        if parallel is not None:
-            assert labels is not None and all_labels_BT is not None
-            return parallel.sequence_loss(output, labels, all_labels_BT)
-        return output
+        return self.lm_head(self.final_layer_norm(x_BTC[:, logits_from:]), labels)
 
 
 def language_model_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
