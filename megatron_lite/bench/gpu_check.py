@@ -42,6 +42,7 @@ from megatron_lite.model import loss as loss_module
 from megatron_lite.model.attention import check_backend_available
 from megatron_lite.model.compile import COMPILE_MODES, compile_model
 from megatron_lite.model.variants import LABELS, variant_named
+from megatron_lite.training.engine import enable_tf32
 from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
 
 REPO = Path(__file__).resolve().parents[2]
@@ -862,6 +863,8 @@ def run_check(settings: CheckSettings, progress: Progress = print) -> dict[str, 
     """Run the chosen sections (skipping finished ones unless ``force``); returns the whole results dict."""
     if not settings.smoke and not torch.cuda.is_available():
         raise ValueError(NO_CUDA_MESSAGE)
+    if not settings.smoke:
+        enable_tf32()  # as train.py does on CUDA by default (train.tf32), for our model and the twin alike
     settings.out.mkdir(parents=True, exist_ok=True)
     sections = list(settings.sections or ())
     results = {} if settings.force and set(sections) == set(settings.profile_sections) else load_results(settings.out)
