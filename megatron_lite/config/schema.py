@@ -384,10 +384,11 @@ class TrainConfig:
         default=None,
     )
     compile_mode: CompileMode = _doc(
-        "What train.compile compiles: regional (every transformer block in place; the blocks share one code "
-        "object, so the repeated block compiles once and the first step's compile time does not grow with the "
-        "depth) | whole (the model's whole call as one graph: fuses across blocks and into the loss head, at a "
-        "compile time that grows with the number of layers).", default="regional")
+        "What train.compile compiles: regional (every transformer block in place, and the LM head with its fused "
+        "loss; the blocks share one code object, so the repeated block compiles once and the first step's compile "
+        "time does not grow with the depth) | whole (embedding, blocks and head as one graph, the rotary tables "
+        "built outside it: fuses across blocks, at a compile time that grows with the number of layers).",
+        default="regional")
     tf32: bool | None = _doc(
         "TensorFloat-32 tensor cores for float32 matmuls and cuDNN convolutions "
         "(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32), set before the model is "
