@@ -559,7 +559,7 @@ def documentation(root: type | None = None) -> str:
                 walk(typing.get_args(annotation)[1], f"{prefix}{item.name}.NAME.")
                 continue
             if typing.get_origin(annotation) is list and dataclasses.is_dataclass(typing.get_args(annotation)[0]):
-                lines.append(f"| `{prefix}{item.name}` | list | `[]` | {item.metadata['help']} |")
+                lines.append(f"| `{prefix}{item.name}` | list | `[]` | {_cell(item.metadata['help'])} |")
                 walk(typing.get_args(annotation)[0], f"{prefix}{item.name}[].")
                 continue
             if item.default is not dataclasses.MISSING:
@@ -572,7 +572,7 @@ def documentation(root: type | None = None) -> str:
                 else str(annotation).replace("typing.", "").replace("|", "\\|")
             if isinstance(annotation, type):
                 type_name = annotation.__name__
-            lines.append(f"| `{prefix}{item.name}` | {type_name} | `{default}` | {item.metadata['help']} |")
+            lines.append(f"| `{prefix}{item.name}` | {type_name} | `{default}` | {_cell(item.metadata['help'])} |")
 
     walk(root or Config, "")
     return "\n".join(lines) + "\n"
@@ -601,6 +601,11 @@ Each family of shipped configs has one complete file, its CoCA slack config (`co
 they differ from it.
 
 """
+
+
+def _cell(text: str) -> str:
+    """Help text as one markdown table cell: a literal '|' would end the cell."""
+    return text.replace("|", "\\|")
 
 
 def documentation_page() -> str:
