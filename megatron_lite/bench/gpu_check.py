@@ -146,26 +146,24 @@ def parse_sections(text: str | None, quick: bool = False) -> list[str]:
     return [name for name in allowed if name in names]
 
 
+def _comma_list(flag: str, text: str, allowed: tuple[str, ...] | list[str], what: str) -> list[str]:
+    """``text`` split at commas, each in ``allowed``, duplicates dropped; else one error line naming the flag."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in allowed]
+    if unknown or not names:
+        raise ValueError(f"{flag} {text}: unknown {what} {', '.join(unknown) or '(none)'}; "
+                         f"choose from {', '.join(allowed)}")
+    return list(dict.fromkeys(names))
+
+
 def parse_schemes(text: str | None) -> list[str] | None:
     """--schemes a,b as scheme labels (None when not given); an unknown label is one error line naming it."""
-    if text is None:
-        return None
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in LABELS]
-    if unknown or not names:
-        raise ValueError(f"--schemes {text}: unknown scheme(s) {', '.join(unknown) or '(none)'}; "
-                         f"choose from {', '.join(LABELS)}")
-    return list(dict.fromkeys(names))
+    return None if text is None else _comma_list("--schemes", text, LABELS, "scheme(s)")
 
 
 def parse_loss_gemms(text: str) -> list[str]:
     """--loss-gemm a,b as model.lm_head.gemm values; an unknown one is one error line naming it."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in LOSS_GEMMS]
-    if unknown or not names:
-        raise ValueError(f"--loss-gemm {text}: unknown value(s) {', '.join(unknown) or '(none)'}; "
-                         f"choose from {', '.join(LOSS_GEMMS)}")
-    return list(dict.fromkeys(names))
+    return _comma_list("--loss-gemm", text, LOSS_GEMMS, "value(s)")
 
 
 def _now() -> str:
