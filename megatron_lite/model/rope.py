@@ -95,7 +95,8 @@ def llama3_inv_freq(rotary_dims: int, base: float, factor: float, original_len: 
 
 @dataclass(frozen=True)
 class RotaryTables:
-    """cos/sin for a run of positions (T, r), float32 (float64 for float64 models), times the attention factor."""
+    """cos/sin for a run of positions (T, r) in the model's dtype (float32 for float32 models, computed in float64
+    and rounded through float32), times the attention factor."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -137,13 +138,17 @@ class RotaryEmbedding:
         raise ValueError(f"model.position.scaling.type={kind!r}: unknown scaling")
 
     def tables(self, positions: torch.Tensor, seq_len: int, dtype: torch.dtype = torch.float32) -> RotaryTables:
-        """cos/sin (T, r) at the given integer positions (T,); float32 unless float64 is asked for."""
+        """cos/sin (T, r) at the given integer positions (T,): float32, float64 when asked for, and for a bf16 / fp16
+        ``dtype`` the float32 values rounded to it once here, which every layer's rotation did per use before
+        (the same numbers, without a cast kernel per layer and use in an eager step)."""
         inv_freq, attention_factor = self.inv_freq(seq_len, positions.device)
         angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # (T, r/2)
         angles = torch.cat((angles, angles), dim=-1)  # (T, r): [theta, theta] layout
         table_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         cos = (angles.cos() * attention_factor).to(table_dtype)
         sin = (angles.sin() * attention_factor).to(table_dtype)
+        if dtype in (torch.bfloat16, torch.float16):
+            cos, sin = cos.to(dtype), sin.to(dtype)
         return RotaryTables(cos=cos, sin=sin)
 
     def range_tables(self, start: int, length: int, seq_len: int, device: Device,
