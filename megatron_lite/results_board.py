@@ -1,5 +1,8 @@
-"""The results board, docs/results.md: one Markdown table row per finished run of tools/gpu_check.py and
-tools/reproduce.py, so that runs on later GPUs add rows beside the earlier ones instead of overwriting them.
+"""The results board: one Markdown table row per finished run of tools/gpu_check.py and tools/reproduce.py, so
+that runs on later GPUs add rows beside the earlier ones instead of overwriting them. A tool writes its row beside
+its outputs, OUT/results_board.md, unless told otherwise: ``--board PATH`` anywhere, ``--repo-board`` the
+repository's own board, docs/results.md (rows copied there on purpose, so a user's run leaves the checkout
+clean), ``--no-board`` nowhere.
 
 The board holds a short header and two tables, "GPU checks" and "Reproductions". A row goes at the end of
 its table; the lines already there are never rewritten (the file is rewritten atomically with one line
@@ -27,7 +30,8 @@ from megatron_lite.files import write_text_atomic
 from megatron_lite.model.variants import PAPER_LABELS
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_BOARD = REPO / "docs" / "results.md"
+REPOSITORY_BOARD = REPO / "docs" / "results.md"  # the repository's board: written only with --repo-board / --board
+BOARD_NAME = "results_board.md"  # the default board, OUT/results_board.md beside the tool's outputs
 HEADLINE_SCHEME = "coca_slack"  # gpu_check's tokens/s, MFU and peak memory cells: the paper's scheme
 PPL_MULTIPLES = (1, 4, 32)  # perplexity at these multiples of a model's training length
 MISSING = "–"
@@ -43,8 +47,10 @@ COLUMNS: dict[str, tuple[str, ...]] = {
 BOARD_HEADER = f"""# Results board
 
 One row per finished run of `tools/gpu_check.py` ([GPU check](benchmarks.md#gpu-check)) and
-`tools/reproduce.py` ([reproduction](reproduction.md)), appended by the tool when the run finishes
-(`--board PATH` writes elsewhere, `--no-board` nowhere). Rows are never rewritten; the newest is last.
+`tools/reproduce.py` ([reproduction](reproduction.md)), appended by the tool when the run finishes: by default
+to `OUT/results_board.md` beside the run's outputs, to the repository's `docs/results.md` only with `--repo-board`
+(or `--board docs/results.md`), to any file with `--board PATH`, nowhere with `--no-board`. Rows are never
+rewritten; the newest is last.
 
 - **kind**: `full`, or `smoke` / `dry-run`: the tool checked at toy size on CPU, **not a result**.
 - **commit**: the short hash of the code that ran; `+dirty` with uncommitted changes to tracked files
@@ -274,21 +280,41 @@ class Board:
 
     path: Path
     commit: str
+    make_parent: bool = False  # the default board: OUT is created by the run, so may not exist when checked
 
     def append(self, table: str, row: dict[str, str]) -> str:
+        if self.make_parent:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         return append_row(self.path, table, {"date": utc_date(), "commit": self.commit, **row})
 
 
 def add_board_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--board", type=Path, default=DEFAULT_BOARD,
-                       help="results board a finished run appends its row to (docs/results.md of this checkout)")
-    group.add_argument("--no-board", action="store_true", help="append no row to the results board")
+    group.add_argument("--board", type=Path, default=None,
+                       help=f"results board a finished run appends its row to (default: OUT/{BOARD_NAME}, beside "
+                            "the outputs)")
+    group.add_argument("--repo-board", action="store_true",
+                       help="append the row to this checkout's own board, docs/results.md (same as --board "
+                            "docs/results.md)")
+    group.add_argument("--no-board", action="store_true", help="append no row to any results board")
+
+
+def board_path(args: argparse.Namespace) -> Path | None:
+    """The board the flags name: --board, the repository's with --repo-board, None with --no-board, else
+    OUT/results_board.md."""
+    if args.no_board:
+        return None
+    if args.repo_board:
+        return REPOSITORY_BOARD
+    return args.board if args.board is not None else args.out / BOARD_NAME
 
 
 def board_from_args(args: argparse.Namespace) -> Board | None:
     """The board the flags name, checked before the run (None with --no-board)."""
-    if args.no_board:
+    path = board_path(args)
+    if path is None:
         return None
-    check_board(args.board)
-    return Board(args.board, code_commit(args.board))
+    default = not args.repo_board and args.board is None
+    if not (default and not path.parent.exists()):  # the default's OUT is made by the run
+        check_board(path)
+    return Board(path, code_commit(path), make_parent=default)

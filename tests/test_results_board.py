@@ -170,23 +170,43 @@ def test_commit_is_the_checkouts_with_dirty_and_unknown(tmp_path: Path, monkeypa
 
 
 def test_gpu_check_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """--board PATH, the default board, --no-board; the two exclude each other."""
+    """The row goes beside the outputs (OUT/results_board.md) by default, to the repository's docs/results.md only
+    with --repo-board, to --board PATH, nowhere with --no-board; the three exclude each other."""
     gpu_check = load_script("tools/gpu_check.py")
-    default = tmp_path / "default.md"
-    monkeypatch.setattr(board_lib, "DEFAULT_BOARD", default)  # the default the parser is built with
+    repository = tmp_path / "repository.md"
+    monkeypatch.setattr(board_lib, "REPOSITORY_BOARD", repository)  # this checkout's docs/results.md stays clean
+    out = tmp_path / "a"
 
-    assert gpu_check.main(["--smoke", "--only", "env", "--out", str(tmp_path / "a"), "--no-board"]) == 0
-    assert not default.exists()
-    assert gpu_check.main(["--smoke", "--only", "env", "--out", str(tmp_path / "a")]) == 0
-    (row,) = board_lib.read_rows(default, GPU)
+    assert gpu_check.main(["--smoke", "--only", "env", "--out", str(out), "--no-board"]) == 0
+    assert not (out / board_lib.BOARD_NAME).exists() and not repository.exists()
+    assert gpu_check.main(["--smoke", "--only", "env", "--out", str(out)]) == 0
+    (row,) = board_lib.read_rows(out / board_lib.BOARD_NAME, GPU)
     assert row["run"] == "gpu_check --only env" and row["this call"].startswith("nothing")
+    assert not repository.exists()
+    assert gpu_check.main(["--smoke", "--only", "env", "--out", str(out), "--repo-board"]) == 0
+    assert len(board_lib.read_rows(repository, GPU)) == 1 and len(board_lib.read_rows(out / board_lib.BOARD_NAME, GPU)) == 1
     elsewhere = tmp_path / "elsewhere.md"
     assert gpu_check.main(["--smoke", "--only", "env", "--out", str(tmp_path / "b"), "--board", str(elsewhere)]) == 0
     (row,) = board_lib.read_rows(elsewhere, GPU)
     assert row["kind"] == "smoke" and row["this call"] == "every section"
-    assert len(board_lib.read_rows(default, GPU)) == 1
-    with pytest.raises(SystemExit):
-        gpu_check.main(["--smoke", "--out", str(tmp_path / "c"), "--board", str(elsewhere), "--no-board"])
+    assert not (tmp_path / "b" / board_lib.BOARD_NAME).exists()
+    for clash in (["--no-board"], ["--repo-board"]):
+        with pytest.raises(SystemExit):
+            gpu_check.main(["--smoke", "--out", str(tmp_path / "c"), "--board", str(elsewhere), *clash])
+
+
+def test_reproduce_board_defaults_beside_its_outputs() -> None:
+    """reproduce: the same flags; its paper-350m budget still reads measured MFUs from the repository's board."""
+    reproduce = load_script("tools/reproduce.py")
+    args = reproduce.parse_args(["--out", "o"])
+    assert board_lib.board_path(args) == Path("o") / board_lib.BOARD_NAME
+    assert reproduce.mfu_board(args) == board_lib.REPOSITORY_BOARD
+    args = reproduce.parse_args(["--out", "o", "--repo-board"])
+    assert board_lib.board_path(args) == board_lib.REPOSITORY_BOARD == reproduce.mfu_board(args)
+    args = reproduce.parse_args(["--out", "o", "--board", "b.md"])
+    assert board_lib.board_path(args) == Path("b.md") == reproduce.mfu_board(args)
+    args = reproduce.parse_args(["--out", "o", "--no-board"])
+    assert board_lib.board_path(args) is None and reproduce.mfu_board(args) is None
 
 
 def test_a_malformed_board_stops_a_tool_before_it_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

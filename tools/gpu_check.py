@@ -4,7 +4,7 @@ training throughput and MFU (ours eager / compiled, and Hugging Face GPT-NeoX), 
 users' command (deepspeed train.py --config configs/coca_350m.yml) on given data, and host-sync freedom of the
 training step; rows in OUT/gpu_check.json and OUT/gpu_check.md.
 
-    python tools/gpu_check.py --out OUT [--only env,parity,...] [--force] [--smoke] [--board PATH | --no-board]
+    python tools/gpu_check.py --out OUT [--only env,parity,...] [--force] [--smoke] [--board PATH | --repo-board | --no-board]
     python tools/gpu_check.py --quick --out OUT [--schemes rope,coca_slack] [--micro-batch 64]
         [--compile-mode regional|whole] [--loss-gemm mixed,input_dtype]
         [--mix MIX --tokenizer TOKENIZER --vocab-size N]
@@ -14,7 +14,8 @@ and coca_slack; one micro batch, no search). --mix/--tokenizer/--vocab-size give
 data (tools/gpu_one_call.sh passes a bundle's); without them that section is a skipped row.
 Each section's rows are written as it finishes; a re-run skips finished sections unless --force.
 --smoke runs the sections on the tiny config on the CPU in seconds (to check the tool itself).
-A finished call appends one row to the results board, docs/results.md (megatron_lite/results_board.py);
+A finished call appends one row to the results board OUT/results_board.md (megatron_lite/results_board.py;
+--board PATH elsewhere, --repo-board the repository's docs/results.md, --no-board none);
 --board-only appends the row for what OUT already holds and measures nothing (a call cut short by a timeout).
 The logic lives in megatron_lite/bench/gpu_check.py.
 """

@@ -17,7 +17,8 @@ Resumable: a finished model is skipped, an interrupted one resumes from its late
 evaluation results are cached per cell; --only runs some phases (a run split into calls). Writes
 OUT/results.json, OUT/tables.md (the paper's Tables 1-3 layout), OUT/perplexity_vs_window.png,
 OUT/perplexity_ntk_factors.png, OUT/passkey_heatmap.png and OUT/wall_times.json; see docs/reproduction.md.
-A call that writes the report appends one row to the results board, docs/results.md (--board, --no-board).
+A call that writes the report appends one row to the results board OUT/results_board.md (--board PATH elsewhere,
+--repo-board the repository's docs/results.md, --no-board none).
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ def settings_from_args(args: argparse.Namespace) -> ReproSettings:
         progress=not args.quiet,
         paper=PaperRunSettings(mix=args.mix, tokens=None if args.tokens is None else parse_tokens(args.tokens),
                                num_gpus=args.num_gpus, hostfile=args.hostfile, master_port=args.master_port,
-                               mfu=args.mfu, gpu_check=args.gpu_check, board=None if args.no_board else args.board))
+                               mfu=args.mfu, gpu_check=args.gpu_check, board=mfu_board(args)))
     if args.config_dir is not None:
         settings.config_dir = args.config_dir
     elif speedrun:
@@ -222,6 +223,14 @@ def settings_from_args(args: argparse.Namespace) -> ReproSettings:
     elif paper_run:
         settings.config_dir = PAPER_CONFIG_DIR
     return settings
+
+
+def mfu_board(args: argparse.Namespace) -> Path | None:
+    """The board whose rows may give paper-350m's budget a measured MFU: the --board named, else the repository's
+    docs/results.md (read, never written unless --repo-board); none with --no-board."""
+    if args.no_board:
+        return None
+    return args.board if args.board is not None else results_board.REPOSITORY_BOARD
 
 
 def _as_path(spec: str | None) -> Path | None:
