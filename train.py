@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from megatron_lite.cli import cli_main, run_cli
+from megatron_lite.training.resume_target import check_resume_target
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,13 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--train-iters", type=int, default=None, help="optimizer steps (overrides train.train_iters)")
     parser.add_argument("--resume", default="auto", metavar="auto|PATH|none",
                         help="auto: continue from the run dir's latest complete checkpoint if any (default); "
-                             "PATH: a run or step dir; none: start fresh")
+                             "PATH: a run dir or a step dir; none: start fresh (a consolidated or Hugging Face dir: "
+                             "--set train.init_from=PATH)")
     parser.add_argument("--wait-for-lock", type=float, default=0.0, metavar="SECONDS",
                         help="if another live run holds the run dir's lock (run.lock), wait up to SECONDS for it to "
                              "end instead of stopping at once (a re-queued job waiting out its predecessor)")
     parser.add_argument("--verify-data", action="store_true",
                         help="check every data shard's sha256 and token ids, even if the cache records them as "
                              "verified (done once per shard set anyway)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the data cache's full summary (sources, skipped records) even when the cache is "
+                             "reused as it was (default: in full once, when built; one line after)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     return parser
 
@@ -44,8 +49,7 @@ def validate_arguments(args: argparse.Namespace, run_dir: Path) -> None:
         raise ValueError(f"--train-iters {args.train_iters}: must be positive")
     if not args.wait_for_lock >= 0:
         raise ValueError(f"--wait-for-lock {args.wait_for_lock}: must be a number of seconds >= 0")
-    if args.resume not in ("auto", "none") and not Path(args.resume).is_dir():
-        raise ValueError(f"--resume {args.resume}: no such directory (expected auto, none or a run or step dir)")
+    check_resume_target(args.resume)  # the kind of dir it names; a consolidated or HF dir: train.init_from
     if run_dir.exists() and not run_dir.is_dir():
         raise ValueError(f"--run-dir {run_dir}: exists and is not a directory")
 
@@ -58,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_lite import config as config_lib
 
     config = config_lib.load(args.config, args.set)
+    from megatron_lite.training.data import set_verbose_summary
+
+    set_verbose_summary(args.verbose)
     from megatron_lite.training.loop import run_training
 
     return run_training(config, run_dir, resume=args.resume, train_iters=args.train_iters,

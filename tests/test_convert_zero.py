@@ -158,7 +158,7 @@ def test_the_cli_names_the_step_it_exported(checkpoints: Path, tmp_path: Path, c
 
     cli = load_script("tools/convert_checkpoint.py")
     assert cli.main([str(run_dir(checkpoints, 0, 1)), str(tmp_path / "out"), "--to", "safetensors"]) == 0
-    assert f"(step dir, training step {STEPS}) -> " in capsys.readouterr().out  # a run dir: its latest checkpoint
+    assert f"(run dir: its latest complete checkpoint, training step {STEPS}) -> " in capsys.readouterr().out
 
 
 if __name__ == "__main__":

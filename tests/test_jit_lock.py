@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import queue
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -30,16 +31,20 @@ def test_a_lock_a_live_process_holds_open_is_a_wait_and_one_nobody_holds_is_stal
     lock = tmp_path / OP / "lock"
     lock.parent.mkdir()
     fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_RDWR)  # as torch's FileBaton takes it
-    builder = subprocess.Popen(["sleep", "60"], pass_fds=(fd,))  # a build still running, in another process
+    # a build still running in another run: a process neither ours nor our parent's (its shell exits at once)
+    started = subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], pass_fds=(fd,), check=True,
+                             capture_output=True, text=True)
+    builder = int(started.stdout)
     os.close(fd)
     try:
-        assert processes_holding(lock) == [builder.pid]
+        assert processes_holding(lock) == [builder]
         message = _describe(lock)
-        assert message is not None and f"held by the running build (pid {builder.pid})" in message
+        assert message is not None and f"held by the running build (pid {builder})" in message
         assert "delete" not in message
     finally:
-        builder.kill()
-        builder.wait()
+        os.kill(builder, signal.SIGKILL)
+        while processes_holding(lock):
+            time.sleep(0.05)
     message = _describe(lock)  # its builder is gone: the lock is stale
     assert message is not None and "no process on this host has it open" in message
     assert message.endswith("delete it if no build is running")

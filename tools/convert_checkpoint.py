@@ -18,10 +18,27 @@ docs/conversion.md explains every direction.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from megatron_lite import checkpoint_dirs
 from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.convert import TARGETS, convert_checkpoint
+from megatron_lite.convert.conversion import ConversionResult
 from megatron_lite.model.gpt import DTYPES
+
+
+def describe_input(input_path: str, result: ConversionResult) -> str:
+    """What INPUT was, in the line printed: a run dir is named as one (the converter read its latest complete
+    checkpoint, a step dir), with the training step exported."""
+    try:
+        kind = checkpoint_dirs.checkpoint_kind(Path(input_path))
+    except ValueError:
+        kind = result.source_kind
+    step = "" if result.step is None else f", training step {result.step}"
+    if kind == "run":
+        return f"run dir: its latest complete checkpoint{step}"
+    names = {"step": "step dir", "consolidated": "consolidated dir", "hf": "Hugging Face dir"}
+    return names.get(kind, f"{kind} dir") + step
 
 
 @cli_main
@@ -39,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result = convert_checkpoint(args.input, args.output, args.to, dtype=args.dtype, force=args.force, coca=args.coca)
     scheme = result.config.model.position.label
-    source = f"{result.source_kind} dir" + (f", training step {result.step}" if result.step is not None else "")
-    print(f"{args.input} ({source}) -> {result.output} (--to {args.to}, {args.dtype}, scheme {scheme})")
+    print(f"{args.input} ({describe_input(args.input, result)}) -> {result.output} (--to {args.to}, {args.dtype}, "
+          f"scheme {scheme})")
     if args.to == "hf":
         remote = ", trust_remote_code=True" if result.needs_remote_code else ""
         print(f"load with: AutoModelForCausalLM.from_pretrained({str(result.output)!r}{remote})")

@@ -294,6 +294,16 @@ def format_report(manifest: Manifest, cache_dir: str | os.PathLike[str], status:
     return "\n".join(lines)
 
 
+def format_reuse_line(manifest: Manifest, cache_dir: str | os.PathLike[str]) -> str:
+    """One line for a cache reused as it was (nothing built): what format_report would tabulate, summed."""
+    records = manifest.sources.values()
+    skipped = sum(sum(record.skipped.values()) for record in records)
+    return (f"data cache {cache_dir}: reused, {len(manifest.sources)} source(s) "
+            f"({', '.join(manifest.sources)}), {sum(r.documents for r in records):,} documents, "
+            f"{sum(r.tokens for r in records):,} tokens, {skipped:,} records skipped; tokenizer "
+            f"{manifest.tokenizer.path} (--verbose: the full summary)")
+
+
 def _previous_manifest(cache_dir: Path) -> Manifest | None:
     if not manifest_path(cache_dir).is_file():
         return None
@@ -306,12 +316,13 @@ def _previous_manifest(cache_dir: Path) -> Manifest | None:
 
 def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, strict: bool = False,
                  progress: bool = True, *, documents_per_shard: int = DEFAULT_DOCUMENTS_PER_SHARD, force: bool = False,
-                 mix: MixConfig | None = None) -> Manifest:
+                 mix: MixConfig | None = None, brief_when_cached: bool = False) -> Manifest:
     """Tokenizer + shards + manifest for the data section; cheap when everything is cached.
 
     ``vocab_size`` is model.vocab_size; ``mix`` is data.mix parsed (parsed here when not given).
     ``workers`` defaults to ``data.num_workers``; ``strict`` aborts at the first bad record
-    (BadRecordError naming it); ``force`` rebuilds every source. Prints the report when ``progress``.
+    (BadRecordError naming it); ``force`` rebuilds every source. Prints the report when ``progress``;
+    with ``brief_when_cached`` (train.py without --verbose) one line instead when every source was cached.
     """
     if documents_per_shard < 1:
         raise ValueError(f"documents_per_shard={documents_per_shard}: must be >= 1")
@@ -370,5 +381,6 @@ def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, 
     if written:  # hashed (and range-checked) just now: no need to read them again before training
         write_stamp(cache_dir, manifest, written)
     if progress:
-        print(format_report(manifest, cache_dir, status))
+        reused = brief_when_cached and all(state == "cached" for state in status.values())
+        print(format_reuse_line(manifest, cache_dir) if reused else format_report(manifest, cache_dir, status))
     return manifest

@@ -27,6 +27,15 @@ from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, 
 # the datasets pickle as paths and re-map their files (data/loader.py).
 WORKER_START_METHOD = "spawn"
 
+# The data cache's summary (a table of sources and skipped records, ~13 lines) prints in full when this run built
+# something and as one line when it reused the cache as it was; train.py --verbose sets this for the full summary
+# at every start.
+VERBOSE_SUMMARY = {"on": False}
+
+
+def set_verbose_summary(on: bool) -> None:
+    VERBOSE_SUMMARY["on"] = on
+
 
 @dataclass
 class TrainingData:
@@ -72,7 +81,8 @@ def _prepare_on_rank0(config: Config, dist_info: DistributedInfo, verify_data: b
     if dist_info.is_main:
         try:
             mix = load_mix(config.data.mix)
-            manifest = prepare_data(config.data, config.model.vocab_size, mix=mix)
+            manifest = prepare_data(config.data, config.model.vocab_size, mix=mix,
+                                    brief_when_cached=not VERBOSE_SUMMARY["on"])
             ensure_verified(config.data.cache_dir, manifest, force=verify_data)
         except (ValueError, OSError) as caught:
             error = caught

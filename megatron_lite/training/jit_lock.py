@@ -6,7 +6,9 @@ other process sleep until it disappears. A builder killed mid-build (SIGKILL, OO
 behind, and the file holds no process id; but a live builder keeps it open, so ``/proc/*/fd`` tells
 a running build on this host from a dead one. While start-up waits, a watcher thread names any such
 lock file after ``LOCK_WARN_ENV`` seconds (default 60) and keeps naming it every as many seconds: as
-stale (advising its deletion) only when no process on this host has it open.
+stale (advising its deletion) only when no process on this host has it open. A lock held by this run's own
+build is not named at all: the build is why the run waits, and it says when it finishes (a lock this process,
+its parent or a child of this process holds, or under a launcher (LOCAL_RANK set) another rank of the launch).
 """
 
 from __future__ import annotations
@@ -54,12 +56,35 @@ def processes_holding(path: Path) -> list[int]:
     return sorted(holders)
 
 
+def parent_pid(pid: int) -> int | None:
+    """``pid``'s parent from /proc/PID/stat (None when it ended or cannot be read)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # after the command name, which may hold spaces
+    return int(fields[1]) if len(fields) > 1 else None
+
+
+def own_build(pid: int) -> bool:
+    """Whether the process ``pid`` is this run's own: this process, its parent, a child of this process, or under
+    a launcher (LOCAL_RANK set) another child of the parent, a sibling rank building the op for the launch."""
+    me, parent = os.getpid(), os.getppid()
+    if pid in (me, parent):
+        return True
+    holder_parent = parent_pid(pid)
+    return holder_parent == me or (holder_parent == parent and "LOCAL_RANK" in os.environ)
+
+
 def _describe(lock: Path) -> str | None:
     try:
         age = time.time() - lock.stat().st_mtime
     except OSError:  # released meanwhile
         return None
     holders = processes_holding(lock)
+    if holders and all(own_build(pid) for pid in holders):
+        return None  # this run's own build: nothing to report
+    holders = [pid for pid in holders if not own_build(pid)]
     if holders:
         return (f"waiting for the JIT build lock {lock} (age {age:.0f} s): held by the running build "
                 f"(pid {', '.join(map(str, holders))}); it is released when that build finishes")
