@@ -173,3 +173,24 @@ def test_gitignore_covers_the_docs_example_outputs() -> None:
     checked = subprocess.run(["git", "-C", str(REPO), "check-ignore", "--stdin", "--no-index"],
                              input="\n".join(sorted(outputs)), capture_output=True, text=True)
     assert set(checked.stdout.split()) == outputs, f"not ignored: {sorted(outputs - set(checked.stdout.split()))}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The README's entry points (issue 37 item 3)
+
+
+def test_readme_entry_points_are_checked_commands() -> None:
+    """The users' command on 1 and 8 GPUs, docker run of the image and the converter, each parsed as
+    tests/test_docker.py parses the at-scale guide (launcher, docker options, flags, configs, batch arithmetic)."""
+    from test_docker import check_batches, check_document
+
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## Entry points\n", 1)[1].split("\n## ", 1)[0]
+    found = check_document(section)
+    check_batches(found)
+    launchers = [entry["launcher"] for entry in found.deepspeed]
+    assert sorted(launcher.num_gpus for launcher in launchers) == [1, 8, 8]  # 1 and 8 GPUs, and 8 in the image
+    assert all(launcher.user_args == ["--config", "configs/coca_350m.yml"] for launcher in launchers)
+    assert len(found.docker_runs) == 1
+    assert "python tools/convert_checkpoint.py runs/coca_350m hf/coca_350m --to hf" in section
+    assert readme.index("## Entry points") > readme.index("python -m pytest -q")  # the first commands stay first
