@@ -128,6 +128,20 @@ def test_second_run_does_no_work(tmp_path: Path, model_path: Path, monkeypatch: 
     assert reads == ["prose"]
 
 
+def test_rebuilt_shards_leave_a_complete_manifest(tmp_path: Path, model_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shards deleted and rebuilt to the same records: the manifest on disk ends complete (not the build's
+    incomplete checkpoint), so the next start reads nothing."""
+    config = _config(tmp_path, model_path)
+    first = prepare_data(config.data, config.model.vocab_size, progress=False)
+    for path in (tmp_path / "cache" / "shards" / "prose").iterdir():
+        path.unlink()
+    assert prepare_data(config.data, config.model.vocab_size, progress=False) == first
+    assert load_manifest(tmp_path / "cache") == first
+    monkeypatch.setattr(preprocess, "read_source", lambda *args: pytest.fail("source re-read"))
+    prepare_data(config.data, config.model.vocab_size, progress=False)
+
+
 def test_moving_a_source_to_another_group_needs_no_rebuild(tmp_path: Path, model_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     config = _config(tmp_path, model_path)

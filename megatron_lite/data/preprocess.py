@@ -343,6 +343,7 @@ def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, 
         sources=copy.deepcopy(old.sources) if same_tokenizer and old is not None else {},
     )
     status: dict[str, str] = {}
+    saved_midway = False  # a build's checkpoints wrote incomplete entries: the final manifest must be written
     encoder = _Encoder(tokenizer, dtype, workers)
     try:
         for group_name, group in mix.groups.items():
@@ -361,8 +362,10 @@ def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, 
                     continue
 
                 def checkpoint(record: SourceRecord, name: str = name) -> None:
+                    nonlocal saved_midway
                     manifest.sources[name] = record
                     save_manifest(manifest, cache_dir)
+                    saved_midway = True
 
                 resumed = bool(_reusable_shards(previous, config_hash, cache_dir, dtype.itemsize, documents_per_shard))
                 manifest.sources[name] = build_source(
@@ -374,7 +377,8 @@ def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, 
         encoder.close()
     names = [name for group in mix.groups.values() for name in group.sources]
     manifest.sources = {name: manifest.sources[name] for name in names}  # mix order; drops removed sources
-    if old is None or dataclasses.asdict(old) != dataclasses.asdict(manifest):
+    # a rebuild can end equal to the manifest it started from while the file holds a checkpoint's incomplete one
+    if old is None or saved_midway or dataclasses.asdict(old) != dataclasses.asdict(manifest):
         save_manifest(manifest, cache_dir)
     written = [shard for name, record in manifest.sources.items() if status.get(name) in ("built", "linked")
                for shard in record.shards]
