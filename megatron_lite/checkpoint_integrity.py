@@ -48,6 +48,7 @@ MANIFEST_FILE = "MANIFEST.json"
 MANIFEST_VERSION = 2  # 2: paths relative to the manifest's folder, subfolders included; 1: top-level names
 READABLE_MANIFEST_VERSIONS = (1, 2)
 UNLISTED_ALLOWED = (MANIFEST_FILE, "COMPLETE")  # written after the manifest (checkpoint_dirs.COMPLETE_MARKER)
+DERIVED_DIRS = ("universal",)  # made from a step dir after its save (checkpoint_dirs.UNIVERSAL_DIR), rebuilt when stale
 _STAGING_DIR = re.compile(r"^\..+\.partial-\d+$")  # an atomic write's hidden staging folder
 
 # What DeepSpeed 0.19's checkpoints pickle besides tensors and plain containers (found with
@@ -218,6 +219,7 @@ class Verification:
     files_checked: int = 0
 
     unsafe: bool = False  # a problem is a refused pickle (UnsafeCheckpointError), not damage
+    unlisted: bool = False  # a problem is a file no manifest lists (added after the save)
 
     @property
     def ok(self) -> bool:
@@ -242,15 +244,17 @@ def _check_file(step_dir: Path, record: FileRecord) -> str | None:
     return None
 
 
-def _walk(step_dir: Path) -> tuple[list[Path], dict[Path, list[Path]]]:
+def _walk(step_dir: Path, skip: tuple[str, ...] = ()) -> tuple[list[Path], dict[Path, list[Path]]]:
     """(folders holding a manifest: ``step_dir`` first, then subfolders that carry their own; each one's
-    files, relative to it, excluding those of a nested manifest folder). Staging folders are skipped."""
+    files, relative to it, excluding those of a nested manifest folder). Staging folders are skipped, and so
+    are the top-level folders named in ``skip``."""
     parts: list[Path] = [step_dir]
     files: dict[Path, list[Path]] = {step_dir: []}
     owners: dict[Path, Path] = {step_dir: step_dir}
     for folder, subfolders, names in os.walk(step_dir):
         here = Path(folder)
-        subfolders[:] = sorted(name for name in subfolders if not is_staging_dir(name))
+        subfolders[:] = sorted(name for name in subfolders if not is_staging_dir(name)
+                               and not (here == step_dir and name in skip))
         if here != step_dir and MANIFEST_FILE in names:
             parts.append(here)
             files[here] = []
@@ -262,14 +266,18 @@ def _walk(step_dir: Path) -> tuple[list[Path], dict[Path, list[Path]]]:
     return parts, files
 
 
-def verify_checkpoint(step_dir: Path, rank: int = 0, world_size: int = 1, round_robin: bool = False) -> Verification:
+def verify_checkpoint(step_dir: Path, rank: int = 0, world_size: int = 1, round_robin: bool = False,
+                      derived: bool = True) -> Verification:
     """This rank's share of the checks of every file under ``step_dir`` (all of them for one process): files
     that rank r wrote are checked by rank r % world_size, those of a nested manifest (a conversion) round robin;
     rank 0 also refuses files that no manifest lists. Every ``.pt`` in the share is safe-loaded (memory-mapped,
     so tensors are not read); a checkpoint without a manifest gets only that. ``round_robin``: share the
-    top folder's files round robin too (a conversion's output, all written by one process)."""
+    top folder's files round robin too (a conversion's output, all written by one process). ``derived=False``:
+    leave out the folders derived from the step dir after its save (``DERIVED_DIRS``: ``universal/``), so that
+    only the step dir's own files decide whether the step is usable; a derived folder is verified on its own
+    when it is to be read, and rebuilt when damaged."""
     result = Verification()
-    parts, files = _walk(step_dir)
+    parts, files = _walk(step_dir, () if derived else DERIVED_DIRS)
     mine: list[Path] = []
     for part in parts:
         try:
@@ -293,9 +301,11 @@ def verify_checkpoint(step_dir: Path, rank: int = 0, world_size: int = 1, round_
                 result.problems.append(problem)
                 failed.add(record.name)
         if rank == 0:
-            result.problems += [f"{part / name}: not listed in {part / MANIFEST_FILE} (added after the save?)"
-                                for name in files[part] if name.as_posix() not in manifest
-                                and name.as_posix() not in UNLISTED_ALLOWED]
+            unlisted = [f"{part / name}: not listed in {part / MANIFEST_FILE} (added after the save?)"
+                        for name in files[part] if name.as_posix() not in manifest
+                        and name.as_posix() not in UNLISTED_ALLOWED]
+            result.problems += unlisted
+            result.unlisted = result.unlisted or bool(unlisted)
         mine += [part / record.name for record in share if record.name.endswith(".pt") and record.name not in failed]
     for path in mine:
         try:

@@ -10,7 +10,10 @@ files), which ``checkpoint.load_universal`` repartitions for the current ranks.
 folder of links to the step dir's DeepSpeed files only (ds_to_universal walks its input recursively, so
 an existing conversion or a staging folder inside the step dir must not be seen), hashed into the
 output's own ``MANIFEST.json``, then renamed into place. A step dir's conversion lives in
-``<step dir>/universal`` and goes when ``keep_last_checkpoints`` deletes its step.
+``<step dir>/universal`` and goes when ``keep_last_checkpoints`` deletes its step, or when a save of the
+same step replaces the step dir. It records the save it derives from (``derived_from.json``, listed in its
+manifest: the sha256 of the step dir's ``MANIFEST.json``); ``universal_state`` tells a current conversion
+from a stale one (another save of the step, a crash, damage), which ``rebuild`` deletes.
 
 ds_to_universal loads the step dir's files with ``torch.load(weights_only=False)``: callers verify the
 step dir first (``checkpoint_integrity.verify_checkpoint``), and DeepSpeed's own reads of the output
@@ -23,6 +26,7 @@ import argparse
 import contextlib
 import fcntl
 import io
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -31,8 +35,10 @@ from typing import Any
 
 from megatron_lite import checkpoint_dirs
 from megatron_lite.checkpoint_integrity import MANIFEST_FILE, is_staging_dir, record_tree, write_manifest
+from megatron_lite.files import file_sha256
 
 _DEEPSPEED_FILES = ("*_model_states.pt", "*_optim_states.pt")
+DERIVED_FROM_FILE = "derived_from.json"  # in universal/: {"source_manifest_sha256": ...} of the step dir it was made from
 
 
 def universal_checkpoint_info() -> dict[str, Any]:
@@ -101,6 +107,8 @@ def convert_to_universal(step_dir: Path, output: Path) -> Path:
         except Exception as error:
             raise ValueError(f"{step_dir}: DeepSpeed's ds_to_universal failed ({type(error).__name__}: "
                              f"{str(error).strip().splitlines()[0] if str(error).strip() else ''})") from error
+        source = source_manifest_sha256(step_dir)
+        (staged_output / DERIVED_FROM_FILE).write_text(json.dumps({"source_manifest_sha256": source}) + "\n")
         write_manifest(staged_output, record_tree(staged_output))
         if output.exists():
             output.rmdir()  # empty (checked above)
@@ -113,6 +121,40 @@ def convert_to_universal(step_dir: Path, output: Path) -> Path:
 def has_universal(step_dir: Path) -> bool:
     """Whether the step dir holds a committed conversion (its integrity is ``verify_checkpoint``'s to judge)."""
     return (universal_dir(step_dir) / MANIFEST_FILE).is_file()
+
+
+def source_manifest_sha256(step_dir: Path) -> str | None:
+    """The sha256 of the step dir's ``MANIFEST.json`` (which names every file of one save), None without one."""
+    manifest = step_dir / MANIFEST_FILE
+    return file_sha256(manifest) if manifest.is_file() else None
+
+
+def universal_state(step_dir: Path) -> str:
+    """'absent' | 'current' (committed, made from this very save of the step) | why it is stale, one phrase:
+    no manifest (a crash or damage), or made from another save of the step (a redone step, an older version
+    that recorded no source)."""
+    output = universal_dir(step_dir)
+    if not output.exists():
+        return "absent"
+    if not has_universal(step_dir):
+        return f"it has no {MANIFEST_FILE}"
+    try:
+        recorded = json.loads((output / DERIVED_FROM_FILE).read_text())["source_manifest_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"it records no source ({DERIVED_FROM_FILE})"
+    if recorded != source_manifest_sha256(step_dir):
+        return f"it was made from another save of this step (its {MANIFEST_FILE} differs)"
+    return "current"
+
+
+def remove_universal(step_dir: Path) -> None:
+    """Delete the step dir's conversion (the caller holds ``conversion_lock``): its manifest first, so a removal
+    cut short leaves a folder that ``universal_state`` calls stale."""
+    output = universal_dir(step_dir)
+    (output / MANIFEST_FILE).unlink(missing_ok=True)
+    shutil.rmtree(output, ignore_errors=True)
+    if output.exists():
+        shutil.rmtree(output)  # raises the reason (OSError)
 
 
 def convert_step_to_universal(input_path: str | os.PathLike[str], output: Path, force: bool = False) -> Path:

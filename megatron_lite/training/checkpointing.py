@@ -118,7 +118,15 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Co
     error: Exception | None = None
     records: list[FileRecord] = []
     started = time.perf_counter()
+    if dist_info.is_main:
+        try:
+            _clear_step_dir(step_dir)
+        except Exception as caught:
+            error = caught
+    barrier()  # no rank writes into the step dir before an earlier save's files are gone
     try:
+        if error is not None:
+            raise error
         with _disk_full(None if faults.disk_full_after_agreement else disk_full):
             if faults.fail_save_step == state.step:
                 raise OSError(28, f"No space left on device (fault injection at step {state.step})")
@@ -170,13 +178,28 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Co
     return step_dir
 
 
-def _verify_everywhere(step_dir: Path, dist_info: DistributedInfo, round_robin: bool = False) -> Verification:
+def _clear_step_dir(step_dir: Path) -> None:
+    """A save writes its step dir as a unit: an earlier save of the same step (a redone step: ``--resume none``
+    in the same run dir, a rollback, ``--resume auto``'s fallback, a crash mid-save) is removed first, with every
+    file of it (other ranks' files, its ``universal/`` conversion), so none of them survives into the new save.
+    Its COMPLETE marker goes first, so a removal cut short leaves an incomplete dir, never a complete mixture."""
+    if not step_dir.exists():
+        return
+    (step_dir / checkpoint_dirs.COMPLETE_MARKER).unlink(missing_ok=True)
+    shutil.rmtree(step_dir, ignore_errors=True)
+    if step_dir.exists():
+        shutil.rmtree(step_dir)  # raises the reason (OSError): the save fails on every rank
+
+
+def _verify_everywhere(step_dir: Path, dist_info: DistributedInfo, round_robin: bool = False,
+                       derived: bool = True) -> Verification:
     """Each rank checks its share of ``step_dir`` (the files it would have written, or ``round_robin``); all ranks
-    get every problem."""
-    mine = verify_checkpoint(step_dir, dist_info.rank, dist_info.world_size, round_robin)
+    get every problem. ``derived=False``: the step dir's own files only, not its ``universal/`` conversion."""
+    mine = verify_checkpoint(step_dir, dist_info.rank, dist_info.world_size, round_robin, derived)
     everyone = all_gather_objects(mine)
     return Verification([problem for result in everyone for problem in result.problems], mine.has_manifest,
-                        sum(result.files_checked for result in everyone), any(result.unsafe for result in everyone))
+                        sum(result.files_checked for result in everyone), any(result.unsafe for result in everyone),
+                        any(result.unlisted for result in everyone))
 
 
 def find_resume_checkpoint(resume: str, run_dir: Path, dist_info: DistributedInfo) -> Path | None:
@@ -192,7 +215,7 @@ def find_resume_checkpoint(resume: str, run_dir: Path, dist_info: DistributedInf
             return None
         candidates = [latest] + [p for p in reversed(checkpoint_dirs.complete_checkpoints(checkpoints)) if p != latest]
         for step_dir in candidates:
-            result = _verify_everywhere(step_dir, dist_info)
+            result = _verify_everywhere(step_dir, dist_info, derived=False)
             if result.ok:
                 _note_unverified(step_dir, result, dist_info)
                 return step_dir
@@ -206,7 +229,7 @@ def find_resume_checkpoint(resume: str, run_dir: Path, dist_info: DistributedInf
     if not checkpoint_dirs.is_complete(step_dir):
         raise ValueError(f"--resume {resume}: {step_dir} is not a complete checkpoint "
                          f"(no {checkpoint_dirs.COMPLETE_MARKER})")
-    result = _verify_everywhere(step_dir, dist_info)
+    result = _verify_everywhere(step_dir, dist_info, derived=False)
     if not result.ok:
         raise ValueError(f"--resume {resume}: {step_dir} fails verification: {result.summary()}")
     _note_unverified(step_dir, result, dist_info)
@@ -273,7 +296,13 @@ def plan_resume(step_dir: Path, marker: dict[str, Any], config: Config, dist_inf
     started = time.perf_counter()
     converted = _universal_on_rank0(step_dir, dist_info)
     result = _verify_everywhere(universal.universal_dir(step_dir), dist_info, round_robin=True)
-    if not result.ok:
+    if not result.ok and not (result.unsafe or result.unlisted):  # damage (truncated, changed, unreadable): rebuilt
+        if dist_info.is_main:
+            notice(f"{universal.universal_dir(step_dir)}: fails verification ({result.summary()}); deleting it and "
+                   "converting the step dir again")
+        converted = _universal_on_rank0(step_dir, dist_info, rebuild=True)
+        result = _verify_everywhere(universal.universal_dir(step_dir), dist_info, round_robin=True)
+    if not result.ok:  # a refused pickle or a planted file: files added after the conversion, named, not removed
         raise ValueError(f"{moved}: its universal checkpoint fails verification: {result.summary()}")
     if dist_info.is_main:
         how = f"converted it in {time.perf_counter() - started:.1f} s" if converted else "reusing the conversion"
@@ -291,16 +320,22 @@ def _rng_note(saved_world: int, world_size: int) -> str:
     return f"ranks 0-{world_size - 1} continue their RNG streams"
 
 
-def _universal_on_rank0(step_dir: Path, dist_info: DistributedInfo) -> bool:
-    """Rank 0 converts ``step_dir`` unless a committed conversion is there (under the step dir's lock, so a
-    second resume of the same checkpoint waits and then reuses it); every rank learns the outcome.
+def _universal_on_rank0(step_dir: Path, dist_info: DistributedInfo, rebuild: bool = False) -> bool:
+    """Rank 0 converts ``step_dir`` unless a current conversion is there (under the step dir's lock, so a
+    second resume of the same checkpoint waits and then reuses it); a stale one (made from another save of the
+    step, or without its manifest) or, with ``rebuild``, any one is deleted first. Every rank learns the outcome.
     Whether this call converted."""
     error: Exception | None = None
     converted = False
     if dist_info.is_main:
         try:
             with universal.conversion_lock(step_dir):
-                if not universal.has_universal(step_dir):
+                state = universal.universal_state(step_dir)
+                if state != "current" or rebuild:
+                    if state not in ("current", "absent"):
+                        notice(f"{universal.universal_dir(step_dir)}: stale ({state}); deleting it and converting "
+                               "the step dir again")
+                    universal.remove_universal(step_dir)
                     universal.convert_to_universal(step_dir, universal.universal_dir(step_dir))
                     converted = True
         except (ValueError, OSError) as caught:

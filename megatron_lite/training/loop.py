@@ -27,7 +27,7 @@ from megatron_lite.training.checkpointing import (
 )
 from megatron_lite.training.data import TrainingData, prepare_training_data
 from megatron_lite.training.deepspeed_config import BatchSizes, resolve_batch_sizes
-from megatron_lite.training.distributed import DistributedInfo, init_distributed
+from megatron_lite.training.distributed import DistributedInfo, barrier, init_distributed
 from megatron_lite.training.engine import StagedEngine, compile_announcement, resumes_weights_only, start_engine
 from megatron_lite.training.identity import TokenizerChange, tokenizer_change
 from megatron_lite.training.reporting import StepReport
@@ -55,6 +55,7 @@ class TrainingResult:
     val_loss: float | None
     skipped_steps: int
     stopped_by: str  # "completed" | "already_complete" | "signal" | "exit_interval" | "nonfinite" | "failed_saves"
+    # | "final_save_failed"
     last_checkpoint: Path | None
     # The signal that stopped a one-process run, exiting 128 + its number. None with several ranks: a rank exiting
     # non-zero makes the deepspeed launcher kill the others' final work (it exits 1 on a signal anyway).
@@ -64,7 +65,8 @@ class TrainingResult:
     def exit_code(self) -> int:
         if self.exit_signal is not None:
             return EXIT_SIGNAL_BASE + signal.Signals[self.exit_signal].value
-        return {"nonfinite": EXIT_NONFINITE, "failed_saves": EXIT_FAILED_SAVES}.get(self.stopped_by, EXIT_OK)
+        return {"nonfinite": EXIT_NONFINITE, "failed_saves": EXIT_FAILED_SAVES,
+                "final_save_failed": EXIT_FAILED_SAVES}.get(self.stopped_by, EXIT_OK)
 
 
 def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iters: int | None = None,
@@ -231,7 +233,8 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
 
 def _ending(stopped_by: str, signal_name: str | None) -> dict[str, str]:
     """How a run ended, as its final checkpoint's COMPLETE marker and its last metrics.jsonl row record it."""
-    return {"stopped_by": stopped_by, **({"signal": signal_name} if stopped_by == "signal" and signal_name else {})}
+    signalled = stopped_by in ("signal", "final_save_failed") and signal_name
+    return {"stopped_by": stopped_by, **({"signal": signal_name} if signalled else {})}
 
 
 def _ending_at(end: StepEnd, signal_name: str | None) -> dict[str, str] | None:
@@ -253,13 +256,19 @@ def _finish(result: TrainingResult, decision: Decision, state: TrainingState, re
             result.last_checkpoint = decision.last_good
         if decision.stopped_by == "signal" and dist_info.world_size == 1:
             result.exit_signal = signal_name
-    report.logger.log({"step": state.step, **_ending(result.stopped_by, signal_name)})
+    row: dict[str, Any] = {"step": state.step, **_ending(result.stopped_by, signal_name)}
+    if decision.names_last_good:  # a failure stop: where a resume would start
+        row["last_checkpoint"] = str(decision.last_good) if decision.last_good else None
+    report.logger.log(row)
     report.close()
     result.steps, result.skipped_steps = state.step, state.skipped_steps
     if dist_info.is_main:
         run_dir = result.run_dir
         curve = metrics_lib.plot_loss_curve(report.logger.path, run_dir / "loss_curve.png", f"{run_dir.name}: loss")
         _print_summary(result, run_dir, curve)
+    # No rank returns (and exits, non-zero for a failure stop) before rank 0 has written the closing row: the
+    # deepspeed launcher kills the other ranks when one exits non-zero.
+    barrier()
     return result
 
 

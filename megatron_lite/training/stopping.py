@@ -28,7 +28,7 @@ class Action(Enum):
 @dataclass(frozen=True)
 class Decision:
     action: Action
-    stopped_by: str = ""  # when STOP: "nonfinite" | "failed_saves" | "exit_interval" | "signal" (TrainingResult)
+    stopped_by: str = ""  # when STOP: "nonfinite" | "failed_saves" | "final_save_failed" | "exit_interval" | "signal"
     message: str = ""  # when STOP: the console line saying why and how to resume
     names_last_good: bool = False  # a failure stop: the run's checkpoint to report is ``last_good``, not its last save
     last_good: Path | None = None  # the latest complete checkpoint on disk when the failure stop was decided
@@ -55,6 +55,8 @@ class StopPolicies:
     * ``train.max_consecutive_nonfinite`` non-finite (skipped) updates in a row stop the run;
     * ``train.max_consecutive_failed_saves`` failed checkpoint saves in a row stop it, and so does a failed save at a
       stage boundary (the next stage starts from that checkpoint);
+    * a failed save that the run's end depends on (the final step's, or a requested stop's) stops it as
+      ``final_save_failed``, naming the last complete checkpoint, never as completed;
     * ``train.exit_interval`` (except at the final step) and a signal (on any rank) stop it after saving;
     * a stage's last step, unless it is the run's, moves to the next stage.
 
@@ -113,9 +115,24 @@ class StopPolicies:
                                 f"stopping: the checkpoint at the end of stage {stage_number} (step {end.step}) failed, "
                                 "and the next stage starts from it; free disk space or fix the cause, then resume "
                                 "with --resume auto")
+        if end.save and not saved and (end.last or end.requested_stop is not None):
+            last_good = self.last_good()
+            ending = "the run's final step" if end.last else f"a stop ({end.requested_stop.stopped_by})"
+            return Decision(Action.STOP, "final_save_failed",
+                            f"stopping: the checkpoint at step {end.step}, {ending}, failed: steps after "
+                            f"{_step_of(last_good)} are in no checkpoint; last complete checkpoint: {last_good or 'none'} "
+                            "(free disk space or fix the cause, then resume with --resume auto to redo them)",
+                            names_last_good=True, last_good=last_good)
         if end.requested_stop is not None:
             return end.requested_stop
         return NEXT_STAGE if end.boundary else CONTINUE
+
+
+def _step_of(step_dir: Path | None) -> str:
+    from megatron_lite.checkpoint_dirs import checkpoint_step
+
+    step = checkpoint_step(step_dir) if step_dir is not None else None
+    return f"step {step}" if step is not None else "the start"
 
 
 class StopRequest:
