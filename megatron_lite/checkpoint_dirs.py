@@ -16,8 +16,12 @@ Layout written by the training loop (``megatron_lite.training``)::
           MANIFEST.json                    every file's size, sha256 and writing rank (checkpoint_integrity)
           COMPLETE                         marker: every rank finished writing (JSON summary)
           universal/                       added by a resume on another number of ranks (ZeRO 1-3): DeepSpeed's
-                                           universal checkpoint of this step, with its own MANIFEST.json
-                                           (megatron_lite/convert/universal.py)
+                                           universal checkpoint of this step, with its own MANIFEST.json and
+                                           derived_from.json (the sha256 of the step's MANIFEST.json); rebuilt
+                                           when stale or damaged (megatron_lite/convert/universal.py)
+
+A save of a step that already has a step dir deletes it first (COMPLETE first), so a step dir always holds
+one save's files (megatron_lite/training/checkpointing.py).
 
 A *consolidated* directory holds ``config.yml`` + ``model.safetensors`` (+ the tokenizer, as above);
 ``megatron_lite.weights`` reads and writes one. ``find_tokenizer`` / ``copy_tokenizer`` are the one

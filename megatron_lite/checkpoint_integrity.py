@@ -18,6 +18,9 @@ writing them; rank 0 gathers the lists and writes the manifest before ``COMPLETE
 A subfolder added after the save (``universal/``, DeepSpeed's universal checkpoint made when a run
 continues on another number of ranks) carries its own ``MANIFEST.json``, written before the folder is
 renamed into place, and is checked against it. Version 1 manifests (top-level names only) still read.
+Such a derived folder (``DERIVED_DIRS``) is left out when a resume asks whether the step is usable
+(``derived=False``): only the step dir's own files decide that; the folder is checked when it is read,
+and rebuilt when damaged (megatron_lite/training/checkpointing.py).
 
 ``verify_checkpoint`` checks a rank's share of every file under the step dir, recursively (sizes
 first, then hashes, then the pickles), and rank 0 refuses any file that no manifest lists, so a

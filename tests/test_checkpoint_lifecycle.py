@@ -2,7 +2,8 @@
 
 1. A redone step (``--resume none`` in the same run dir, on 2 ranks) replaces its step dir as a unit: the
    earlier save's ``universal/`` conversion does not survive, and a later resume on 1 rank converts the new save
-   instead of training on from the abandoned run's state (slow: 2 ranks).
+   instead of training on from the abandoned run's state (slow: 2 ranks). On 1 rank: the redone step survives
+   pruning, and ``--resume auto``'s fallback never picks the abandoned history's later checkpoint.
 2. A derived folder that fails verification never makes its step be skipped: a ``universal/`` without its
    manifest leaves the step usable (1 rank), and a truncated file in it is deleted and rebuilt, the resume
    continuing exactly as from the intact conversion (slow: a 2-rank checkpoint resumed on 1 rank).
@@ -21,6 +22,7 @@ import yaml
 
 from megatron_lite import checkpoint_dirs
 from megatron_lite.checkpoint_integrity import MANIFEST_FILE, read_manifest
+from megatron_lite.console import Notice
 from training_helpers import metrics, run_train, tiny_train_config, train_losses, write_config
 
 SAVED = 4
@@ -46,6 +48,29 @@ def unlisted_files(directory: Path) -> list[str]:
     listed = set(read_manifest(directory) or {})
     return sorted(path.relative_to(directory).as_posix() for path in directory.rglob("*") if path.is_file()
                   and path.relative_to(directory).as_posix() not in listed | {MANIFEST_FILE, "COMPLETE"})
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. A redone step on 1 rank: the later checkpoints are another history's
+
+
+def test_a_redone_step_is_kept_and_never_falls_back_to_the_abandoned_history(training_corpus, tmp_path: Path) -> None:
+    """8 steps keeping 1 checkpoint (step 8), then ``--resume none`` to step 4 in the same run dir: the new step 4
+    must survive pruning (the abandoned step 8 is not counted against it), and a fallback from a damaged step 4
+    must not pick the abandoned step 8."""
+    from megatron_lite.training.checkpointing import find_resume_checkpoint
+    from megatron_lite.training.distributed import DistributedInfo
+
+    config = lifecycle_config(tmp_path, training_corpus, zero_stage=0, keep_last_checkpoints=1)
+    run = tmp_path / "run"
+    run_train(config, run, "--train-iters", "8")
+    assert [path.name for path in checkpoint_dirs.complete_checkpoints(run / "checkpoints")] == ["step_00000008"]
+    run_train(config, run, "--resume", "none")
+    assert checkpoint_dirs.latest_complete(run / "checkpoints") == step_dir(run, SAVED)
+    (step_dir(run, SAVED) / "mp_rank_00_model_states.pt").write_bytes(b"damaged")
+    with pytest.warns(Notice, match="skipping"), pytest.raises(ValueError, match="none of the 1 complete checkpoint"):
+        find_resume_checkpoint("auto", run, DistributedInfo(rank=0, local_rank=0, world_size=1,
+                                                            device=torch.device("cpu")))
 
 
 # ----------------------------------------------------------------------------------------------

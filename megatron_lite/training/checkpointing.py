@@ -171,11 +171,18 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Co
                    f"checkpoint is {previous if previous else 'none'}")
         barrier()
         return None
-    if dist_info.is_main:
-        for old in checkpoint_dirs.complete_checkpoints(checkpoints)[:-keep_last]:
+    if dist_info.is_main:  # checkpoints past this step belong to a history the run left (a redone step): not counted
+        for old in _this_history(checkpoint_dirs.complete_checkpoints(checkpoints), state.step)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     barrier()
     return step_dir
+
+
+def _this_history(complete: list[Path], step: int) -> list[Path]:
+    """The complete checkpoints (oldest first) up to ``step``, the newest save's: after a step is redone
+    (``--resume none`` in the same run dir, a rollback), higher ones are another history's, which pruning must
+    not count (it would delete the new save) and ``--resume auto``'s fallback must not pick."""
+    return [path for path in complete if (checkpoint_dirs.checkpoint_step(path) or 0) <= step]
 
 
 def _clear_step_dir(step_dir: Path) -> None:
@@ -213,7 +220,9 @@ def find_resume_checkpoint(resume: str, run_dir: Path, dist_info: DistributedInf
         latest = checkpoint_dirs.latest_complete(checkpoints)
         if latest is None:
             return None
-        candidates = [latest] + [p for p in reversed(checkpoint_dirs.complete_checkpoints(checkpoints)) if p != latest]
+        older = _this_history(checkpoint_dirs.complete_checkpoints(checkpoints),
+                              checkpoint_dirs.checkpoint_step(latest) or 0)
+        candidates = [latest] + [p for p in reversed(older) if p != latest]
         for step_dir in candidates:
             result = _verify_everywhere(step_dir, dist_info, derived=False)
             if result.ok:
