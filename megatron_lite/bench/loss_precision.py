@@ -63,7 +63,8 @@ def head_inputs(settings: HeadSettings, device: torch.device | str = "cpu"
     so logits reach |z| ~ 10 as a trained head's do; labels (N,)."""
     generator = torch.Generator().manual_seed(settings.seed)
     hidden_NC = torch.randn(settings.tokens, settings.hidden, generator=generator)
-    weight_VC = torch.randn(settings.vocab, settings.hidden, generator=generator) * 0.05 * (1024 / settings.hidden) ** 0.5
+    weight_std = 0.05 * (1024 / settings.hidden) ** 0.5
+    weight_VC = torch.randn(settings.vocab, settings.hidden, generator=generator) * weight_std
     labels_N = torch.randint(0, settings.vocab, (settings.tokens,), generator=generator)
     return hidden_NC.to(device, settings.dtype), weight_VC.to(device, settings.dtype), labels_N.to(device)
 
@@ -115,7 +116,8 @@ def cuda_rows(settings: HeadSettings, steps: int = 3) -> list[HeadRow]:
 
 
 def format_rows(rows: list[HeadRow], title: str) -> str:
-    lines = [title, f"  {'head':<18} {'loss abs err':>12} {'grad_h rel':>10} {'grad_w rel':>10} {'ms':>8} {'peak MiB':>9}"]
+    header = f"  {'head':<18} {'loss abs err':>12} {'grad_h rel':>10} {'grad_w rel':>10} {'ms':>8} {'peak MiB':>9}"
+    lines = [title, header]
     for row in rows:
         cells = [f"{row.loss_abs_error:12.2e}" if row.loss_abs_error is not None else f"{'-':>12}",
                  f"{row.grad_hidden_rel_error:10.2e}" if row.grad_hidden_rel_error is not None else f"{'-':>10}",

@@ -51,7 +51,8 @@ def profile_step(settings: ProfileSettings) -> str:
     if settings.compile_mode is not None:
         compile_model(model, settings.compile_mode)  # type: ignore[arg-type]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    batch = torch.randint(0, config.model.vocab_size, (settings.micro_batch, config.model.seq_length + 1), device=device)
+    shape = (settings.micro_batch, config.model.seq_length + 1)
+    batch = torch.randint(0, config.model.vocab_size, shape, device=device)
 
     def step() -> None:
         model(batch[:, :-1], labels=batch[:, 1:]).backward()

@@ -37,7 +37,8 @@ def compile_model(model: nn.Module, mode: CompileMode = "regional", backend: str
         decode = getattr(model, "decode", None)
         if decode is None:
             raise ValueError(f"compile mode 'whole': {type(model).__name__} has no .decode to compile")
-        model.decode = torch.compile(decode, backend=backend)  # type: ignore[method-assign]  # an instance attribute: keys unchanged
+        # an instance attribute shadowing the method: the state-dict keys stay as they are
+        model.decode = torch.compile(decode, backend=backend)  # type: ignore[method-assign]
         return
     if mode != "regional":
         raise ValueError(f"compile mode {mode!r}: must be one of {', '.join(COMPILE_MODES)}")

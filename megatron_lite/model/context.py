@@ -126,7 +126,8 @@ def _sharded_context(scheme: PositionScheme, attention: AttentionConfig, input_i
     all_positions = shard.global_positions(device)  # (T,)
     rope_length = shard.global_length if rope_length is None else rope_length  # dynamic NTK: the whole sequence
     rotary = scheme.rotary
-    tables = rotary.range_tables(shard.start, shard.length, rope_length, device, table_dtype) if rotary is not None else None
+    tables = (rotary.range_tables(shard.start, shard.length, rope_length, device, table_dtype) if rotary is not None
+              else None)
     # every rank holds the whole sequence's ids, so its document mask needs no gather
     document_ids = flex.document_ids(input_ids_BT, attention.eod_token_id) if attention.document_mask else None
     block_mask = (flex.build_block_mask(all_positions, all_positions, document_ids, document_ids)

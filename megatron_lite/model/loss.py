@@ -161,8 +161,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             for sub in range(0, end - start, step):
                 rows = slice(sub, min(sub + step, end - start))
                 grad_op_mV = gemms.operand(grad_nV[rows])
-                grad_hidden_NC[start + rows.start:start + rows.stop] = (gemms.matmul(grad_op_mV, weight_op_VC) * sign).to(
-                    hidden_NC.dtype)
+                grad_hidden_mC = gemms.matmul(grad_op_mV, weight_op_VC) * sign
+                grad_hidden_NC[start + rows.start:start + rows.stop] = grad_hidden_mC.to(hidden_NC.dtype)
                 grad_weight_VC = gemms.add_matmul(grad_weight_VC, grad_op_mV.t(), hidden_op_nC[rows])
                 del grad_op_mV
             del grad_nV  # free this chunk before the next one's matmul allocates
