@@ -9,6 +9,8 @@
    continuing exactly as from the intact conversion (slow: a 2-rank checkpoint resumed on 1 rank).
 3. A failed final save ends the run with exit code 4 and ``stopped_by: final_save_failed`` naming the last
    complete checkpoint (1 rank).
+4. A resume at another ZeRO stage on the same rank count: 1 <-> 2 continues exactly, 0 and 3 stop in one line
+   (1 rank).
 """
 
 from __future__ import annotations
@@ -107,6 +109,29 @@ def test_a_universal_folder_without_its_manifest_does_not_skip_its_step(training
     resumed = run_train(config, tmp_path / "run", "--train-iters", str(SAVED + 1))
     assert f"resumed from {step_dir(tmp_path / 'run', SAVED)} at step {SAVED}" in resumed.stdout, resumed.stdout
     assert "skipping" not in resumed.stdout + resumed.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# 4. Another ZeRO stage on the same rank count
+
+
+def test_a_zero_stage_change_continues_exactly_or_stops_in_one_line(training_corpus, tmp_path: Path) -> None:
+    """ZeRO 1 -> 2 (the same files) continues with the losses of the run that stayed at ZeRO 1; ZeRO 1 -> 3 and
+    1 -> 0, which DeepSpeed's load fails on with a traceback, stop in one line before DeepSpeed starts."""
+    config = lifecycle_config(tmp_path, training_corpus)
+    run_train(config, tmp_path / "zero1")
+    saved = step_dir(tmp_path / "zero1", SAVED)
+    shutil.copytree(tmp_path / "zero1", tmp_path / "zero2")
+    run_train(config, tmp_path / "zero1", "--train-iters", "6")
+    run_train(config, tmp_path / "zero2", "--train-iters", "6", "--set", "train.zero_stage=2")
+    assert train_losses(tmp_path / "zero2") == train_losses(tmp_path / "zero1")
+    for stage in (3, 0):
+        refused = run_train(config, tmp_path / f"zero{stage}", "--resume", str(saved), "--train-iters", "6", "--set",
+                            f"train.zero_stage={stage}", check=False)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        assert (f"error: cannot resume {saved} at ZeRO {stage}: it was saved at ZeRO 1, and a checkpoint changes its "
+                "ZeRO stage only between 1 and 2") in refused.stderr
+        assert not (tmp_path / f"zero{stage}" / checkpoint_dirs.CHECKPOINTS_DIR).exists()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -286,17 +286,23 @@ class ResumePlan:
 
 
 def plan_resume(step_dir: Path, marker: dict[str, Any], config: Config, dist_info: DistributedInfo) -> ResumePlan:
-    """The same world size loads the step dir as saved. Another one: ZeRO 0 loads as saved too (its optimizer
-    state is whole on every rank); ZeRO 1-3 loads the step's universal conversion, made now by rank 0 unless a
-    committed one is there, then verified by all ranks. One notice line says which."""
+    """The same world size loads the step dir as saved (also into the other of ZeRO 1 and 2; other changes of
+    the ZeRO stage are refused in one line, before DeepSpeed starts). Another one: ZeRO 0 loads as saved too (its
+    optimizer state is whole on every rank); ZeRO 1-3 loads the step's universal conversion, made now by rank 0
+    unless a current one is there, then verified by all ranks. One notice line says which."""
     saved_world = int(marker.get("world_size", dist_info.world_size))
     saved_zero, zero = int(marker.get("zero_stage", config.train.zero_stage)), config.train.zero_stage
-    if saved_world == dist_info.world_size:
-        return ResumePlan(step_dir, False, saved_world)
     moved = f"resuming {step_dir} (saved by {saved_world} rank(s)) on {dist_info.world_size} rank(s)"
-    if saved_zero != zero:  # DeepSpeed names and partitions the files of each stage its own way
+    if saved_zero != zero and saved_world != dist_info.world_size:  # each stage names and partitions its files
         raise ValueError(f"{moved}: train.zero_stage={zero} but the checkpoint is ZeRO {saved_zero}; on another "
                          "number of ranks a run keeps its ZeRO stage (change it in a resume on the old number)")
+    if saved_zero != zero and {saved_zero, zero} != {1, 2}:  # before DeepSpeed fails on it with a traceback
+        raise ValueError(f"cannot resume {step_dir} at ZeRO {zero}: it was saved at ZeRO {saved_zero}, and a checkpoint "
+                         "changes its ZeRO stage only between 1 and 2 (ZeRO 0 keeps a plain optimizer's state, ZeRO 3 "
+                         f"files of its own); keep train.zero_stage={saved_zero}, or start a new run dir from its "
+                         "weights with train.init_from")
+    if saved_world == dist_info.world_size:  # ZeRO 1 and 2 write the same files: either loads the other's
+        return ResumePlan(step_dir, False, saved_world)
     rng_note = _rng_note(saved_world, dist_info.world_size)
     if zero == 0:
         if dist_info.is_main:
