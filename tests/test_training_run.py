@@ -251,7 +251,7 @@ def test_failed_save_is_reported_and_previous_checkpoint_kept(training_corpus, t
     mix, cache = training_corpus
     config = write_config(tmp_path / "config.yml", tiny_train_config(mix, cache, fault_injection={"fail_save_step": 8}))
     result = run_train(config, tmp_path / "run", check=False)
-    assert result.returncode == 4  # the final save: the run ends as final_save_failed (tests/test_checkpoint_lifecycle.py)
+    assert result.returncode == 4  # the final save: the run ends as final_save_failed (test_checkpoint_lifecycle.py)
     assert "warning: checkpoint at step 8 failed" in result.stdout and "No space left on device" in result.stdout
     checkpoints = tmp_path / "run" / checkpoint_dirs.CHECKPOINTS_DIR
     assert not (checkpoints / "step_00000008").exists()

@@ -297,8 +297,8 @@ def plan_resume(step_dir: Path, marker: dict[str, Any], config: Config, dist_inf
         raise ValueError(f"{moved}: train.zero_stage={zero} but the checkpoint is ZeRO {saved_zero}; on another "
                          "number of ranks a run keeps its ZeRO stage (change it in a resume on the old number)")
     if saved_zero != zero and {saved_zero, zero} != {1, 2}:  # before DeepSpeed fails on it with a traceback
-        raise ValueError(f"cannot resume {step_dir} at ZeRO {zero}: it was saved at ZeRO {saved_zero}, and a checkpoint "
-                         "changes its ZeRO stage only between 1 and 2 (ZeRO 0 keeps a plain optimizer's state, ZeRO 3 "
+        raise ValueError(f"cannot resume {step_dir} at ZeRO {zero}: it was saved at ZeRO {saved_zero}, and a "
+                         "checkpoint changes its ZeRO stage only between 1 and 2 (ZeRO 0 keeps a plain optimizer's state, ZeRO 3 "
                          f"files of its own); keep train.zero_stage={saved_zero}, or start a new run dir from its "
                          "weights with train.init_from")
     if saved_world == dist_info.world_size:  # ZeRO 1 and 2 write the same files: either loads the other's

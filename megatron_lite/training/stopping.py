@@ -120,8 +120,8 @@ class StopPolicies:
             ending = "the run's final step" if end.last else f"a stop ({end.requested_stop.stopped_by})"
             return Decision(Action.STOP, "final_save_failed",
                             f"stopping: the checkpoint at step {end.step}, {ending}, failed: steps after "
-                            f"{_step_of(last_good)} are in no checkpoint; last complete checkpoint: {last_good or 'none'} "
-                            "(free disk space or fix the cause, then resume with --resume auto to redo them)",
+                            f"{_step_of(last_good)} are in no checkpoint; last complete checkpoint: "
+                            f"{last_good or 'none'} (free disk space or fix the cause, then resume with --resume auto to redo them)",
                             names_last_good=True, last_good=last_good)
         if end.requested_stop is not None:
             return end.requested_stop
