@@ -11,6 +11,8 @@
    complete checkpoint (1 rank).
 4. A resume at another ZeRO stage on the same rank count: 1 <-> 2 continues exactly, 0 and 3 stop in one line
    (1 rank).
+5. A universal conversion on a real small filesystem (a tmpfs; skipped where it cannot be mounted) says how
+   much space it needs before it starts.
 """
 
 from __future__ import annotations
@@ -115,11 +117,20 @@ def test_a_universal_folder_without_its_manifest_does_not_skip_its_step(training
 # 4. Another ZeRO stage on the same rank count
 
 
-def test_a_zero_stage_change_continues_exactly_or_stops_in_one_line(training_corpus, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def zero1_run(training_corpus, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(config, a run dir: 1 rank, ZeRO 1, checkpoint at step 4)."""
+    root = tmp_path_factory.mktemp("zero1")
+    config = lifecycle_config(root, training_corpus)
+    run_train(config, root / "run")
+    return config, root / "run"
+
+
+def test_a_zero_stage_change_continues_exactly_or_stops_in_one_line(zero1_run, tmp_path: Path) -> None:
     """ZeRO 1 -> 2 (the same files) continues with the losses of the run that stayed at ZeRO 1; ZeRO 1 -> 3 and
     1 -> 0, which DeepSpeed's load fails on with a traceback, stop in one line before DeepSpeed starts."""
-    config = lifecycle_config(tmp_path, training_corpus)
-    run_train(config, tmp_path / "zero1")
+    config, run = zero1_run
+    shutil.copytree(run, tmp_path / "zero1")
     saved = step_dir(tmp_path / "zero1", SAVED)
     shutil.copytree(tmp_path / "zero1", tmp_path / "zero2")
     run_train(config, tmp_path / "zero1", "--train-iters", "6")
@@ -132,6 +143,39 @@ def test_a_zero_stage_change_continues_exactly_or_stops_in_one_line(training_cor
         assert (f"error: cannot resume {saved} at ZeRO {stage}: it was saved at ZeRO 1, and a checkpoint changes its "
                 "ZeRO stage only between 1 and 2") in refused.stderr
         assert not (tmp_path / f"zero{stage}" / checkpoint_dirs.CHECKPOINTS_DIR).exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. The conversion on a small disk
+
+
+def test_a_conversion_without_the_space_it_needs_says_so_before_it_starts(zero1_run, tmp_path: Path) -> None:
+    """A real small filesystem (tmpfs) holding the step dir and 200 kB more: the conversion names the space it
+    needs and the space free, in one line, and leaves nothing behind."""
+    import subprocess
+
+    from megatron_lite.convert.universal import convert_step_to_universal
+
+    _, run = zero1_run
+    source = step_dir(run, SAVED)
+    size = sum(path.stat().st_size for path in source.rglob("*") if path.is_file())
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size + 200_000}", "tmpfs", str(disk)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        copy = disk / source.name
+        shutil.copytree(source, copy)
+        with pytest.raises(ValueError) as raised:
+            convert_step_to_universal(copy, copy / checkpoint_dirs.UNIVERSAL_DIR)
+        message = str(raised.value)
+        needed = 1.5 * sum(path.stat().st_size for path in copy.glob("*_states.pt"))  # the DeepSpeed files
+        assert "\n" not in message and message.startswith(f"{copy}: not enough free disk space for the universal "
+                                                          f"conversion: it needs about {needed / 1e6:.1f} MB"), message
+        assert sorted(path.name for path in copy.iterdir()) == sorted(path.name for path in source.iterdir())
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -88,9 +88,12 @@ def _disk_full(limit: int | None) -> Iterator[None]:
         signal.signal(signal.SIGXFSZ, previous_handler)
 
 
-def _describe_error(error: BaseException) -> str:
+def _describe_error(error: BaseException, where: Path | None = None) -> str:
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+    described = f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
+    if where is not None and universal.is_disk_full(error):  # torch.save says "unexpected pos", not ENOSPC
+        return f"{described}: a full disk at {where}"
+    return described
 
 
 def _agree(error: Exception | None, records: list[FileRecord]) -> tuple[int, list[FileRecord]]:
@@ -167,7 +170,7 @@ def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Co
             shutil.rmtree(step_dir, ignore_errors=True)
             previous = checkpoint_dirs.latest_complete(checkpoints)
             notice(f"checkpoint at step {state.step} failed on {int(failures)} rank(s)"
-                   f"{f' ({_describe_error(error)})' if error else ''}; removed {step_dir}; the last complete "
+                   f"{f' ({_describe_error(error, checkpoints)})' if error else ''}; removed {step_dir}; the last complete "
                    f"checkpoint is {previous if previous else 'none'}")
         barrier()
         return None
