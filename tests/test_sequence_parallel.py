@@ -158,6 +158,8 @@ def worker(out: Path) -> None:
         results["zero"].append(_zero_case(stage))
     if torch.distributed.get_rank() == 0:
         out.write_text(json.dumps(results, indent=1))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # else gloo's threads can abort the exit ("terminate called ...")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -132,6 +132,15 @@ def all_gather_objects(value: Any) -> list[Any]:
     return [value]
 
 
+def shutdown_distributed() -> None:
+    """Destroy the process group before the interpreter exits. Left to the interpreter's teardown, gloo's worker
+    threads can still be joinable when their C++ objects are destroyed, and a rank dies with "terminate called
+    without an active exception" (SIGABRT) after a finished run (seen in 2-rank CPU runs; pytorch/pytorch#190489).
+    Only after a normal end that every rank reached (a failing rank must not wait on the others)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier(device_ids=barrier_device_ids())
