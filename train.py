@@ -67,8 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     set_verbose_summary(args.verbose)
     from megatron_lite.training.loop import run_training
 
-    return run_training(config, run_dir, resume=args.resume, train_iters=args.train_iters,
-                        verify_data=args.verify_data, wait_for_lock=args.wait_for_lock).exit_code
+    result = run_training(config, run_dir, resume=args.resume, train_iters=args.train_iters,
+                          verify_data=args.verify_data, wait_for_lock=args.wait_for_lock)
+    from megatron_lite.training.distributed import shutdown_distributed
+
+    shutdown_distributed()  # several ranks: every one returned past the run's last barrier; the process exits next
+    return result.exit_code
 
 
 if __name__ == "__main__":

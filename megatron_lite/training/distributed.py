@@ -136,8 +136,9 @@ def shutdown_distributed() -> None:
     """Destroy the process group before the interpreter exits. Left to the interpreter's teardown, gloo's worker
     threads can still be joinable when their C++ objects are destroyed, and a rank dies with "terminate called
     without an active exception" (SIGABRT) after a finished run (seen in 2-rank CPU runs; pytorch/pytorch#190489).
-    Only after a normal end that every rank reached (a failing rank must not wait on the others)."""
-    if dist.is_initialized():
+    Only after a normal end that every rank reached (a failing rank must not wait on the others), and only where
+    the process ends next (train.py): DeepSpeed does not set the group up again for a later run in the process."""
+    if dist.is_initialized() and dist.get_world_size() > 1:  # one rank (plain python): nothing to race
         dist.destroy_process_group()
 
 

@@ -27,7 +27,7 @@ from megatron_lite.training.checkpointing import (
 )
 from megatron_lite.training.data import TrainingData, prepare_training_data
 from megatron_lite.training.deepspeed_config import BatchSizes, resolve_batch_sizes
-from megatron_lite.training.distributed import DistributedInfo, barrier, init_distributed, shutdown_distributed
+from megatron_lite.training.distributed import DistributedInfo, barrier, init_distributed
 from megatron_lite.training.engine import StagedEngine, compile_announcement, resumes_weights_only, start_engine
 from megatron_lite.training.identity import TokenizerChange, tokenizer_change
 from megatron_lite.training.reporting import StepReport
@@ -79,10 +79,7 @@ def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iter
     dist_info = with_sequence_parallel(init_distributed(), config.train.sequence_parallel_size)
     batch_sizes = resolve_batch_sizes(config, dist_info.data_parallel_size)  # ValueError before any work
     with hold_run_dir(run_dir, dist_info.is_main, dist_info.device, wait_for_lock):  # before anything is written
-        result = _train(config, run_dir, dist_info, batch_sizes, stages, resume, train_iters, verify_data)
-    if dist_info.world_size > 1:  # every rank got here past _finish's barrier: a clean shutdown is safe
-        shutdown_distributed()
-    return result
+        return _train(config, run_dir, dist_info, batch_sizes, stages, resume, train_iters, verify_data)
 
 
 def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_sizes: BatchSizes, stages: list[Stage],
