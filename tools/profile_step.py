@@ -14,6 +14,7 @@ from pathlib import Path
 
 from megatron_lite.bench.step_profile import ProfileSettings, profile_step
 from megatron_lite.cli import cli_main, run_cli
+from megatron_lite.model.compile import COMPILE_MODES
 from megatron_lite.model.loss import LOSS_GEMMS
 from megatron_lite.model.variants import LABELS
 
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scheme", choices=LABELS, default=defaults.label)
     parser.add_argument("--micro-batch", type=int, default=defaults.micro_batch)
-    parser.add_argument("--compile", choices=("regional", "whole"), default=None, help="default: eager")
+    parser.add_argument("--compile", choices=COMPILE_MODES, default=None, help="default: eager")
     parser.add_argument("--loss-gemm", choices=LOSS_GEMMS, default=defaults.loss_gemm)
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--out", type=Path, default=None, metavar="TABLE.txt")
