@@ -6,11 +6,13 @@
   * resuming at another P (ZeRO 1): the P=2 checkpoint at P=1 (4 ranks -> 2, through the universal checkpoint)
     and the P=1 checkpoint at P=2 (2 ranks, one data-parallel rank, so 4 micro batches of accumulation keep the
     global batch) continue the same trace;
-  * KV-cache generation from the P=2-trained checkpoint equals the P=1-trained one's.
+  * KV-cache generation from the P=2-trained checkpoint equals the P=1-trained one's;
+  * the in-training extrapolation evaluation (train.extrapolation_eval) logs the same perplexities at P=2.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from megatron_lite import checkpoint_dirs
 from megatron_lite.eval.generation import generate
 from megatron_lite.training.sample_record import read_sample_indices
 from megatron_lite.weights import load_model, load_step_state_dict
+from test_extrapolation_eval import curve_settings, write_books
 from training_helpers import metrics, run_train, tiny_train_config, train_losses, write_config
 
 pytestmark = pytest.mark.slow
@@ -64,8 +67,10 @@ def runs(training_corpus, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sequence_parallel_runs")
     config = write_config(root / "config.yml", run_config(mix, cache))
     found = {"dp2": root / "dp2", "sp2_dp2": root / "sp2_dp2"}
-    run_train(config, found["dp2"], ranks=2)
-    run_train(config, found["sp2_dp2"], *SEQUENCE_PARALLEL_2, ranks=4)
+    curve = [arg for key, value in curve_settings(write_books(root / "books")).items()
+             for arg in ("--set", f"train.extrapolation_eval.{key}={json.dumps(value)}")]
+    run_train(config, found["dp2"], *curve, ranks=2)
+    run_train(config, found["sp2_dp2"], *SEQUENCE_PARALLEL_2, *curve, ranks=4)
     found["resumed_same_p"] = resumable_copy(found["sp2_dp2"], root / "resumed_same_p", 4)
     run_train(config, found["resumed_same_p"], *SEQUENCE_PARALLEL_2, ranks=4)
     found["p2_to_p1"] = resumable_copy(found["sp2_dp2"], root / "p2_to_p1", 4)
@@ -114,3 +119,15 @@ def test_generation_from_a_sequence_parallel_checkpoint(runs: dict[str, Path]) -
     assert torch.equal(tokens, generate(plain, prompt, max_new_tokens=10))
     with torch.no_grad():  # the cached decode is the plain forward of what it generated
         assert torch.equal(parallel(tokens[:, :-1]).argmax(-1)[:, prompt.shape[1] - 1:], tokens[:, prompt.shape[1]:])
+
+
+def test_extrapolation_curve_is_the_same_under_sequence_parallelism(runs: dict[str, Path]) -> None:
+    def curve(run: Path) -> dict[int, dict[str, float]]:
+        return {row["step"]: {key: value for key, value in row.items() if key.startswith("extrapolation_ppl_")}
+                for row in metrics(run) if "extrapolation_ppl_x1" in row}
+
+    plain, parallel = curve(runs["dp2"]), curve(runs["sp2_dp2"])
+    assert sorted(plain) == [0, 4, 8] and len(plain[8]) == 6  # windows 1x, 2x, 4x; own scaling and dynamic:2
+    for step, row in plain.items():
+        assert row.keys() == parallel[step].keys()
+        assert max(abs(parallel[step][key] / value - 1) for key, value in row.items()) <= TOLERANCE, step

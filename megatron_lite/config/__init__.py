@@ -26,6 +26,7 @@ from megatron_lite.config.schema import (
     AttentionConfig,
     Config,
     DataConfig,
+    ExtrapolationEvalConfig,
     FaultInjectionConfig,
     GroupConfig,
     MixConfig,
@@ -40,8 +41,9 @@ from megatron_lite.config.schema import (
 
 __all__ = [
     "BACKENDS", "CONSTRAINTS", "ROTARY_SCHEMES", "SCALING_TYPES", "SCHEMES",
-    "AttentionConfig", "Config", "DataConfig", "FaultInjectionConfig", "GroupConfig", "MixConfig", "ModelConfig",
-    "PositionConfig", "RopeScalingConfig", "SourceConfig", "TokenizerConfig", "TrainConfig", "WandbConfig",
+    "AttentionConfig", "Config", "DataConfig", "ExtrapolationEvalConfig", "FaultInjectionConfig", "GroupConfig",
+    "MixConfig", "ModelConfig", "PositionConfig", "RopeScalingConfig", "SourceConfig", "TokenizerConfig",
+    "TrainConfig", "WandbConfig",
     "apply_overrides", "documentation", "documentation_page", "from_dict", "load", "parse_dataclass",
     "parse_override", "save", "to_dict", "validate", "with_overrides",
 ]

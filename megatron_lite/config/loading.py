@@ -174,6 +174,7 @@ def _validate_train(config: Config) -> None:
     _require(train.train_epochs > 0, f"train.train_epochs={train.train_epochs}: must be positive")
     _require(train.zero_stage in (0, 1, 2, 3), f"train.zero_stage={train.zero_stage}: must be 0, 1, 2 or 3")
     _validate_sequence_parallel(config)
+    _validate_extrapolation_eval(config)
     _require(train.lr > 0, f"train.lr={train.lr}: must be positive")
     _require(0 <= train.min_lr <= train.lr, f"train.min_lr={train.min_lr}: must be in [0, train.lr={train.lr}]")
     _require(0 <= train.warmup_start_lr <= train.lr,
@@ -199,6 +200,26 @@ def _validate_sequence_parallel(config: Config) -> None:
     _require(model.seq_length % size == 0,
              f"train.sequence_parallel_size={size} does not divide model.seq_length={model.seq_length} "
              "(each rank holds seq_length / P tokens)")
+
+
+def _validate_extrapolation_eval(config: Config) -> None:
+    """train.extrapolation_eval.*, checked even while it is off (interval 0), so turning it on cannot fail late."""
+    from megatron_lite.eval.scaling import parse_scaling  # imports the config package: not at module level
+
+    section, key = config.train.extrapolation_eval, "train.extrapolation_eval"
+    _require(section.interval >= 0, f"{key}.interval={section.interval}: must be >= 0 (0 turns it off)")
+    for name in ("max_books", "batch_size"):
+        _require(getattr(section, name) > 0, f"{key}.{name}={getattr(section, name)}: must be positive")
+    _require(section.max_seconds > 0, f"{key}.max_seconds={section.max_seconds}: must be positive")
+    _require(bool(section.windows) and all(window > 0 for window in section.windows) and 1 in section.windows,
+             f"{key}.windows={section.windows}: positive multiples of model.seq_length, 1 among them")
+    _require(len(set(section.windows)) == len(section.windows), f"{key}.windows={section.windows}: repeats a window")
+    _require(section.scored_tokens_per_book > 0,
+             f"{key}.scored_tokens_per_book={section.scored_tokens_per_book}: must be positive")
+    _require(bool(section.books.strip()), f"{key}.books is empty: name the held-out books")
+    for index, text in enumerate(section.scalings):
+        spec = parse_scaling(text, f"{key}.scalings[{index}]")
+        _require(spec.type != "none", f"{key}.scalings[{index}]=none: the model's own scaling is always evaluated")
 
 
 def _validate_stages(config: Config) -> None:

@@ -328,6 +328,38 @@ class FaultInjectionConfig:
 
 
 @dataclass
+class ExtrapolationEvalConfig:
+    """Long-context perplexity while training (``train.extrapolation_eval.*``): every ``interval`` steps the model
+    reads the same held-out tokens through windows of 1x, 2x, 4x ... its training length, so the curve of
+    ppl(kx) / ppl(1x) against tokens seen shows when (and whether) extrapolation breaks (docs/training.md)."""
+
+    interval: int = _doc(
+        "Steps between evaluations (and one at the last step); 0 turns the evaluation off.", default=0)
+    at_start: bool = _doc("Also evaluate before the first step of a fresh run (the curve's point at 0 tokens).",
+                          default=True)
+    books: str = _doc(
+        "Held-out books: a directory of .txt files, one .txt file, parquet, or a datasets id ID[:SPLIT[:COLUMN]] "
+        "(the repository ships two PG-19 test books in data/eval). Keep them out of the training mix.",
+        default="data/eval")
+    max_books: int = _doc("Books used (the first ones long enough, in the source's order).", default=2)
+    strip_gutenberg: bool = _doc("Strip Project Gutenberg headers and footers from the books.", default=True)
+    windows: list[int] = _doc(
+        "Window lengths as multiples of model.seq_length; 1 must be among them (every ratio is against it).",
+        default_factory=lambda: [1, 2, 4, 8])
+    scored_tokens_per_book: int = _doc(
+        "Tokens scored per book at every window, rounded down to a multiple of model.seq_length (one at least): the "
+        "same tokens at every window and every evaluation, each window scoring its last seq_length predictions.",
+        default=4096)
+    scalings: list[str] = _doc(
+        "Inference-time RoPE scalings evaluated besides the model's own (e.g. dynamic:4, the paper's dynamic NTK; "
+        "rotary schemes only, others skip them).", default_factory=list)
+    batch_size: int = _doc("Windows per forward.", default=1)
+    max_seconds: float = _doc(
+        "The evaluation's budget: an evaluation that takes longer warns once, naming the keys that shrink it.",
+        default=60.0)
+
+
+@dataclass
 class StageConfig:
     """One stage of a staged fine-tune (``train.stages``): which parameters train, for how many steps."""
 
@@ -462,6 +494,9 @@ class TrainConfig:
     deepspeed: dict[str, Any] = _doc(
         "Passthrough: merged last into the generated DeepSpeed config (any DeepSpeed key).", default_factory=dict
     )
+    extrapolation_eval: ExtrapolationEvalConfig = _doc(
+        "Long-context perplexity while training; see train.extrapolation_eval.* (off by default).",
+        default_factory=ExtrapolationEvalConfig)
     fault_injection: FaultInjectionConfig = _doc(
         "Deliberate failures for tests; see train.fault_injection.*.", default_factory=FaultInjectionConfig
     )

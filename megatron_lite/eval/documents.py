@@ -43,9 +43,9 @@ class EvalDocuments:
 
 
 def source_for(spec: str, split: str = "test", text_field: str = "text", strip_gutenberg: bool = False,
-               max_documents: int | None = None) -> SourceConfig:
-    """The data-pipeline source a ``--ppl-docs`` value stands for."""
-    return text_source(spec, "--ppl-docs", split, text_field, strip_gutenberg, max_documents)
+               max_documents: int | None = None, flag: str = "--ppl-docs") -> SourceConfig:
+    """The data-pipeline source a ``--ppl-docs`` value (or the setting ``flag`` names) stands for."""
+    return text_source(spec, flag, split, text_field, strip_gutenberg, max_documents)
 
 
 def scored_text_bytes(tokenizer: AnyTokenizer, token_ids: list[int]) -> int:
@@ -63,18 +63,21 @@ def load_documents(
     split: str = "test",
     text_field: str = "text",
     max_doc_chars: int | None = None,
+    flags: tuple[str, str] = ("--ppl-docs", "--max-doc-tokens"),
 ) -> EvalDocuments:
     """Tokenise documents in source order; keep the first ``max_documents`` with >= max_doc_tokens tokens.
     ``max_doc_chars`` cuts every text to that many characters first, so models with different tokenizers
-    score the same text: the cut text is then kept whole, and ``max_doc_tokens`` is only the minimum."""
+    score the same text: the cut text is then kept whole, and ``max_doc_tokens`` is only the minimum.
+    ``flags``: the settings the errors name for ``spec`` and ``max_doc_tokens`` (a tool's flags, a config's keys)."""
+    spec_flag, length_flag = flags
     if max_doc_tokens < 2:
-        raise ValueError(f"--max-doc-tokens {max_doc_tokens}: must be >= 2")
+        raise ValueError(f"{length_flag} {max_doc_tokens}: must be >= 2")
     if max_doc_chars is not None and max_doc_chars < 1:
         raise ValueError(f"--max-doc-chars {max_doc_chars}: must be >= 1")
-    source = source_for(spec, split, text_field, strip_gutenberg)
+    source = source_for(spec, split, text_field, strip_gutenberg, flag=spec_flag)
     cleaner = Cleaner(source)
     documents = EvalDocuments(source=spec, max_doc_tokens=max_doc_tokens, max_doc_chars=max_doc_chars)
-    for record in read_source(source, "ppl-docs"):
+    for record in read_source(source, spec_flag.lstrip("-")):
         if max_documents is not None and len(documents.token_ids) >= max_documents:
             break
         if isinstance(record, BadRecord):
@@ -96,6 +99,6 @@ def load_documents(
         documents.token_ids.append(torch.tensor(tokens, dtype=torch.long))
         documents.scored_bytes.append(scored_text_bytes(tokenizer, tokens))
     if not documents.token_ids:
-        raise ValueError(f"--ppl-docs {spec!r}: none of {documents.num_read} documents has >= --max-doc-tokens "
-                         f"{max_doc_tokens} tokens; lower --max-doc-tokens")
+        raise ValueError(f"{spec_flag} {spec!r}: none of {documents.num_read} documents has >= {max_doc_tokens} "
+                         f"tokens ({length_flag}); lower {length_flag}")
     return documents

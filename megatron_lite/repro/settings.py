@@ -246,9 +246,11 @@ def config_path(settings: ReproSettings, scheme: str) -> Path:
 
 
 def all_overrides(settings: ReproSettings) -> list[str]:
-    """The profile's overrides, the user's --set overrides, then the data location (JSON strings are valid YAML
-    scalars)."""
-    return [*settings.profile_overrides, *settings.overrides, f"data.mix={json.dumps(str(mix_path(settings)))}",
+    """The profile's overrides, the in-training extrapolation curve on the evaluation books, the user's --set
+    overrides, then the data location (JSON strings are valid YAML scalars)."""
+    curve = ([] if settings.eval_books is None
+             else [f"train.extrapolation_eval.books={json.dumps(str(settings.eval_books))}"])
+    return [*settings.profile_overrides, *curve, *settings.overrides, f"data.mix={json.dumps(str(mix_path(settings)))}",
             f"data.cache_dir={json.dumps(str(settings.out_dir / 'data' / 'cache'))}"]
 
 

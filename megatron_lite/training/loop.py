@@ -29,6 +29,7 @@ from megatron_lite.training.data import TrainingData, prepare_training_data
 from megatron_lite.training.deepspeed_config import BatchSizes, resolve_batch_sizes
 from megatron_lite.training.distributed import DistributedInfo, barrier, init_distributed
 from megatron_lite.training.engine import StagedEngine, compile_announcement, resumes_weights_only, start_engine
+from megatron_lite.training.extrapolation import ExtrapolationEval
 from megatron_lite.training.identity import TokenizerChange, tokenizer_change
 from megatron_lite.training.reporting import StepReport
 from megatron_lite.training.run_lock import hold_run_dir
@@ -90,6 +91,8 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     if stages:
         data = dataclasses.replace(data, steps_source=f"the sum of {len(stages)} train.stages")
     config = _with_train_iters(config, data.total_steps)  # the run's copy, so config.yml and checkpoints record them
+    extrapolation = (ExtrapolationEval.from_run(config, data.tokenizer_path, dist_info.device)  # book errors before DeepSpeed
+                     if config.train.extrapolation_eval.interval else None)
     if dist_info.is_main:
         config_lib.save(config, run_dir / checkpoint_dirs.CONFIG_FILE)
 
@@ -111,6 +114,8 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     logger = metrics_lib.MetricsLogger(config, run_dir, enabled=dist_info.is_main, start_step=state.step)
     if dist_info.is_main:
         _announce(config, batch_sizes, data, staged, run_dir, resume_dir, state, logger.dropped_rows)
+        if extrapolation is not None:
+            console(extrapolation.describe())
     if changed_tokenizer is not None:
         logger.log(changed_tokenizer.metrics_row(state.step))
         if dist_info.is_main:
@@ -130,6 +135,10 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
         restore_rng_state(resume_dir, dist_info, config.seed, state.step)
     decision = CONTINUE
     with StopRequest() as stop, report.closed_on_error():
+        if extrapolation is not None and state.step == 0 and train.extrapolation_eval.at_start:
+            side_work_start = time.perf_counter()
+            report.extrapolation(extrapolation, staged.engine, state)
+            report.throughput.exclude_since(side_work_start)
         while state.step < data.total_steps:
             lr = run_learning_rate(state.step, data.total_steps, train)
             batches = micro_batches(iterator, batch_sizes.gradient_accumulation_steps)
@@ -151,6 +160,8 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
             side_work_start = time.perf_counter()
             if valid_loader is not None and train.eval_interval and (state.step % train.eval_interval == 0 or end.last):
                 result.val_loss = report.validation(staged.engine, valid_loader, state.step)
+            if extrapolation is not None and extrapolation.due(state.step, end.last):
+                report.extrapolation(extrapolation, staged.engine, state)
             saved = (save_checkpoint(staged.engine, run_dir, state, config, data.tokenizer_path, dist_info,
                                      train.keep_last_checkpoints, ending=_ending_at(end, stop.signal_name))
                      if end.save else None)

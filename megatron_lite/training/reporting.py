@@ -19,6 +19,8 @@ from megatron_lite.training.checkpointing import TrainingState
 from megatron_lite.training.deepspeed_config import BatchSizes
 from megatron_lite.training.distributed import DistributedInfo
 from megatron_lite.training.engine import StagedEngine
+from megatron_lite.training.extrapolation import PLOT_FILE, ExtrapolationEval, plot_curve
+from megatron_lite.training.extrapolation import format_row as format_extrapolation_row
 from megatron_lite.training.step import StepOutcome, evaluate
 
 
@@ -51,6 +53,7 @@ class StepReport:
         self.throughput = _Throughput()
         self.progress = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
                              disable=not dist_info.is_main, dynamic_ncols=True, file=sys.stderr, mininterval=1.0)
+        self.seq_length = config.model.seq_length
         self.tokens_per_step = batch_sizes.tokens_per_step(config.model.seq_length)
         self.flops_per_step = (metrics_lib.model_flops_per_token(config.model) * self.tokens_per_step
                                if dist_info.device.type == "cuda" else None)  # TFLOP/s and MFU are GPU figures
@@ -93,6 +96,17 @@ class StepReport:
         if self.dist_info.is_main:
             console(metrics_lib.format_row(row, self.total_steps))
         return val_loss
+
+    def extrapolation(self, evaluation: ExtrapolationEval, engine: Any, state: TrainingState) -> None:
+        """One long-context evaluation: its metrics row, console line and the curve's plot, redrawn."""
+        row = {"step": state.step, "tokens_seen": state.consumed_samples * self.seq_length,
+               **evaluation.evaluate(engine)}
+        self.logger.log(row)
+        if self.dist_info.is_main:
+            console(format_extrapolation_row(row, evaluation.windows, self.total_steps))
+            evaluation.warn_if_over_budget(row["extrapolation_seconds"])
+            run_dir = self.logger.run_dir
+            plot_curve(self.logger.path, run_dir / PLOT_FILE, f"{run_dir.name}: extrapolation while training")
 
     def close(self) -> None:
         self.progress.close()

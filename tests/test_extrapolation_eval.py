@@ -1,0 +1,180 @@
+"""The in-training extrapolation evaluation (train.extrapolation_eval): the same targets at every window, each
+window's perplexity equal to the sliding-window evaluation's on those targets for every scheme and scaling, the
+metrics keys and the plot; and through train.py (slow): the rows, the plot, the printed cost, training unchanged."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_lite import config as config_lib
+from megatron_lite.config import ExtrapolationEvalConfig, RopeScalingConfig
+from megatron_lite.eval.perplexity import token_nlls
+from megatron_lite.eval.scaling import parse_scaling
+from megatron_lite.model import build_model
+from megatron_lite.model.loss import IGNORE_INDEX
+from megatron_lite.training.extrapolation import (ExtrapolationEval, format_row, plot_curve, ppl_key, ratio_key,
+                                                  window_blocks)
+from test_eval_support import single_thread, tiny_eval_config  # noqa: F401 (fixture)
+from training_helpers import WORDS, metrics, run_train, tiny_train_config, train_losses, write_config
+
+SEQ = 16
+SCHEMES = [("alibi", "slack"), ("rope", "slack"), ("coca", "slack"), ("coca", "strict")]
+
+
+def test_every_window_scores_the_same_targets_with_its_last_predictions() -> None:
+    book_T = torch.arange(1000, 1000 + 8 * SEQ + 3 * SEQ + 5)  # 5 tokens too many: not a whole block, unused
+    max_window = 8 * SEQ
+    targets = None
+    for window in (SEQ, 2 * SEQ, 8 * SEQ):
+        blocks = window_blocks(book_T, window, SEQ, max_window)
+        assert len(blocks) == 3
+        scored = []
+        for block in blocks:
+            assert block.input_ids_T.shape == block.labels_T.shape == (window,)
+            assert bool((block.labels_T[:window - SEQ] == IGNORE_INDEX).all())
+            # the book counts up, so each scored label is its input's next token
+            assert torch.equal(block.labels_T[window - SEQ:], block.input_ids_T[window - SEQ:] + 1)
+            scored += block.labels_T[window - SEQ:].tolist()
+        targets = targets or scored
+        assert scored == targets == list(range(1000 + max_window, 1000 + max_window + 3 * SEQ))
+
+
+def _settings(scalings: list[str]) -> ExtrapolationEvalConfig:
+    return ExtrapolationEvalConfig(interval=1, windows=[1, 2, 4], scored_tokens_per_book=2 * SEQ + 7,
+                                   scalings=scalings, batch_size=2)
+
+
+def _reference_ppl(model: torch.nn.Module, books: list[torch.Tensor], window: int, max_window: int,
+                   scored: int) -> float:
+    """The sliding-window evaluation (eval.perplexity, stride = the training length) of each book from where its
+    windows line up with the in-training ones, over the same targets (positions max_window ..)."""
+    nll = []
+    for book in books:
+        # where the reference's windows read what the blocks read: its second window is the first block, or (at the
+        # largest window) its first window, whose last SEQ predictions are the first block's
+        offset = max(max_window - 1 - window, SEQ - 1)
+        nll_N, _ = token_nlls(model, book[offset:max_window + scored], window, SEQ)
+        nll.append(nll_N[max_window - offset:])
+    return math.exp(float(torch.cat(nll).mean()))
+
+
+@pytest.mark.parametrize("scheme,constraint", SCHEMES)
+def test_perplexity_is_the_sliding_window_perplexity_of_the_same_targets(scheme: str, constraint: str) -> None:
+    model = build_model(tiny_eval_config(scheme, constraint, seq_length=SEQ, vocab_size=300)).eval()
+    generator = torch.Generator().manual_seed(7)
+    books = [torch.randint(0, 300, (4 * SEQ + 3 * SEQ,), generator=generator) for _ in range(2)]
+    rotary = scheme != "alibi"
+    settings = _settings(["dynamic:4"])
+    evaluation = ExtrapolationEval(settings, model.config, books, torch.device("cpu"))
+    assert evaluation.scored_tokens == 2 * 2 * SEQ  # rounded down to whole blocks
+    row = evaluation.evaluate(model)
+    assert model.config.position.scaling == RopeScalingConfig()  # the model's own scaling is back
+    assert model.training is True  # evaluate() leaves the model training, as the engine was
+
+    scalings = [parse_scaling("none")] + ([parse_scaling("dynamic:4")] if rotary else [])
+    assert (ppl_key(2, parse_scaling("dynamic:4")) in row) == rotary  # non-rotary schemes skip the scaling
+    model.eval()
+    for scaling in scalings:
+        if scaling.type != "none":
+            model.set_rope_scaling(scaling.config())
+        for multiple in (1, 2, 4):
+            expected = _reference_ppl(model, evaluation.books, multiple * SEQ, 4 * SEQ, 2 * SEQ)
+            assert row[ppl_key(multiple, scaling)] == pytest.approx(expected, rel=1e-5), (scaling, multiple)
+        for multiple in (2, 4):
+            assert row[ratio_key(multiple, scaling)] == pytest.approx(
+                row[ppl_key(multiple, scaling)] / row[ppl_key(1, scaling)])
+    assert row["extrapolation_seconds"] > 0
+
+
+def test_keys_console_line_and_plot(tmp_path: Path) -> None:
+    dynamic = parse_scaling("dynamic:4")
+    assert (ppl_key(4), ratio_key(4), ppl_key(4, dynamic)) == (
+        "extrapolation_ppl_x4", "extrapolation_ratio_x4", "extrapolation_ppl_x4_dynamic4")
+    rows = []
+    for step, growth in ((0, 1.0), (10, 1.2), (20, 1.5)):
+        row = {"step": step, "tokens_seen": step * 100, ppl_key(1): 100.0, ppl_key(2): 100.0 * growth,
+               ratio_key(2): growth, ppl_key(1, dynamic): 100.0, ppl_key(2, dynamic): 101.0,
+               ratio_key(2, dynamic): 1.01, "extrapolation_seconds": 0.5}
+        rows.append(row)
+    assert format_row(rows[1], [1, 2], 20) == "step 10/20 | extrapolation ppl x1 100.00 x2 120.00 (1.200) | 0.5 s"
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in [{"step": 1, "loss": 3.0}, *rows]))
+    plot = plot_curve(path, tmp_path / "extrapolation.png", "title")
+    assert plot is not None and plot.stat().st_size > 10_000
+    assert plot_curve(tmp_path / "none.jsonl", tmp_path / "none.png", "title") is None
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("windows", [2, 4], "windows=[2, 4]: positive multiples"),
+    ("windows", [1, 2, 2], "windows=[1, 2, 2]: repeats a window"),
+    ("interval", -1, "interval=-1"),
+    ("scored_tokens_per_book", 0, "scored_tokens_per_book=0: must be positive"),
+    ("scalings", ["dynamic:0.5"], "scalings[0] 'dynamic:0.5': factor must be >= 1"),
+    ("scalings", ["none"], "scalings[0]=none"),
+    ("max_seconds", 0, "max_seconds=0"),
+])
+def test_settings_errors_name_the_key(key: str, value: object, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"train.extrapolation_eval.{message}")):
+        config_lib.load(Path(__file__).parents[1] / "configs/tiny/rope.yml",
+                        [f"train.extrapolation_eval.{key}={json.dumps(value)}"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Through train.py
+
+
+def write_books(directory: Path, count: int = 2, words: int = 900) -> Path:
+    """Held-out pseudo-prose books (another seed than the training corpus's)."""
+    rng = random.Random(99)
+    directory.mkdir(parents=True, exist_ok=True)
+    for index in range(count):
+        (directory / f"book_{index}.txt").write_text(" ".join(rng.choice(WORDS) for _ in range(words)) + ".\n")
+    return directory
+
+
+def curve_settings(books: Path) -> dict[str, object]:
+    return {"interval": 4, "windows": [1, 2, 4], "scored_tokens_per_book": 64, "books": str(books),
+            "strip_gutenberg": False, "scalings": ["dynamic:2"]}
+
+
+@pytest.mark.slow
+def test_train_py_logs_the_curve_and_trains_the_same_steps(training_corpus, tmp_path: Path) -> None:
+    mix, cache = training_corpus
+    books = write_books(tmp_path / "books")
+    plain = write_config(tmp_path / "plain.yml", tiny_train_config(mix, cache, eval_interval=0, save_interval=0))
+    with_curve = write_config(tmp_path / "curve.yml", tiny_train_config(
+        mix, cache, eval_interval=0, save_interval=0, extrapolation_eval=curve_settings(books)))
+    run_train(plain, tmp_path / "plain")
+    output = run_train(with_curve, tmp_path / "curve").stdout
+
+    assert train_losses(tmp_path / "curve") == train_losses(tmp_path / "plain")  # the evaluation draws no random numbers and changes no weight
+    rows = [row for row in metrics(tmp_path / "curve") if "extrapolation_ppl_x1" in row]
+    assert [row["step"] for row in rows] == [0, 4, 8]
+    assert [row["tokens_seen"] for row in rows] == [0, 4 * 8 * 32, 8 * 8 * 32]  # 8 samples of 32 tokens per step
+    for row in rows:
+        for key in ("extrapolation_ppl_x2", "extrapolation_ratio_x4", "extrapolation_ppl_x4_dynamic2",
+                    "extrapolation_ratio_x2_dynamic2", "extrapolation_seconds"):
+            assert math.isfinite(row[key]), key
+        assert row["extrapolation_scored_tokens"] == 2 * 64
+    assert rows[-1]["extrapolation_ppl_x1"] < rows[0]["extrapolation_ppl_x1"]  # it learnt something
+    assert (tmp_path / "curve" / "extrapolation.png").stat().st_size > 10_000
+    assert "extrapolation eval every 4 steps: windows 1x, 2x, 4x of 32" in output
+    assert "step 8/8 | extrapolation ppl x1 " in output and output.count("extrapolation ppl") == 3
+
+
+def test_missing_books_stop_before_training(training_corpus, tmp_path: Path) -> None:
+    mix, cache = training_corpus
+    config = write_config(tmp_path / "curve.yml", tiny_train_config(
+        mix, cache, extrapolation_eval=curve_settings(tmp_path / "no_books")))
+    result = run_train(config, tmp_path / "run", check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and output.count("\n") < 20, output  # one line, no traceback wall
+    assert f"train.extrapolation_eval.books {str(tmp_path / 'no_books')!r}" in output
+    assert not (tmp_path / "run" / "checkpoints").exists()
