@@ -28,7 +28,8 @@ WORDS = ("the old ship sailed past green hills while seven sailors sang of river
 TOY_MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2", "model.intermediate_size=64",
              "model.seq_length=32", "model.max_position_embeddings=32", "model.vocab_size=384",
              "data.tokenizer.sample_chars=200000", "data.num_workers=1", "train.train_micro_batch_size_per_gpu=4",
-             "train.log_interval=1", "train.eval_interval=0", "train.save_interval=0"]
+             "train.log_interval=1", "train.eval_interval=0", "train.save_interval=0",
+             "train.extrapolation_eval.windows=[1, 2]", "train.extrapolation_eval.scored_tokens_per_book=32"]
 
 
 def write_books(directory: Path, names: list[str], num_paragraphs: int, seed: int) -> Path:
@@ -85,10 +86,16 @@ def test_toy_reproduction_end_to_end_and_resume(toy_books: tuple[Path, Path], tm
     manifest = json.loads((out / "data/cache/manifest.json").read_text())
     assert manifest["sources"]["python_stdlib"]["documents"] <= 8
     tables = (out / "tables.md").read_text()
-    for heading in ("## Training", "## Table 1", "## Table 2", "## Table 3", "## Wall time"):
+    for heading in ("## Training", "## Table 1", "## Table 2", "## Table 3", "## Extrapolation while training",
+                    "## Wall time"):
         assert heading in tables
     assert "| CoCA (slack) + dynamic NTK (x2) |" in tables and "32 (x1)" in tables
-    for plot in ("perplexity_vs_window.png", "perplexity_ntk_factors.png", "passkey_heatmap.png"):
+    for scheme in SCHEMES:  # the configs' curve: every 50 steps, so before step 1 and at the last step
+        curve = results["training"][scheme]["extrapolation_curve"]
+        assert [row["step"] for row in curve] == [0, 2] and all(row["extrapolation_ratio_x2"] > 0 for row in curve)
+    assert "| tokens seen | ALiBi ppl 1x | ALiBi x2/x1 |" in tables
+    for plot in ("perplexity_vs_window.png", "perplexity_ntk_factors.png", "passkey_heatmap.png",
+                 "extrapolation_curves.png"):
         assert (out / plot).stat().st_size > 1000
     first_phases = results["wall_seconds"]
     (row,) = results_board.read_rows(tmp_path / "board.md", results_board.REPRODUCTIONS)  # the finished run's row

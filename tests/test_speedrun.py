@@ -42,10 +42,13 @@ sys.meta_path.insert(0, BareNode())
 def test_plan_splits_the_budget_at_the_slowest_scheme() -> None:
     probes = {"rope": {"tokens_per_sec": 2_000_000.0, "startup_seconds": 30.0},
               "alibi": {"tokens_per_sec": 1_600_000.0, "startup_seconds": 45.0}}
-    budget = SpeedrunBudget(total_seconds=540, eval_seconds_per_model=40, report_seconds=10)
+    budget = SpeedrunBudget(total_seconds=540, eval_seconds_per_model=40, curve_seconds_per_model=20,
+                            report_seconds=10)
     plan = plan_train_iters(budget, probes, step_tokens=32_768, models=4)
-    # (540 - 10) / 4 - 45 - 40 = 47.5 s of training at 1.6M tokens/s = 76M tokens = 2,319 steps of 32,768
-    assert plan["train_seconds_per_model"] == 47.5 and plan["train_iters"] == 2319 and plan["limited_by"] == "budget"
+    # (540 - 10) / 4 - 45 - 40 - 20 = 27.5 s of training at 1.6M tokens/s = 44M tokens = 1,342 steps of 32,768
+    assert plan["train_seconds_per_model"] == 27.5 and plan["train_iters"] == 1342 and plan["limited_by"] == "budget"
+    pair = plan_train_iters(budget, probes, step_tokens=32_768, models=2)  # 160 s each: 256M tokens, over the cap
+    assert pair["train_seconds_per_model"] == 160.0 and pair["limited_by"] == "token cap"
     capped = plan_train_iters(SpeedrunBudget(max_train_tokens=32_768 * 100), probes, 32_768, 4)
     assert capped["train_iters"] == 100 and capped["limited_by"] == "token cap"
 
@@ -118,16 +121,26 @@ def test_dry_run_of_every_phase_from_a_bundle_on_a_bare_node(tiny_bundle: Path, 
             "--bundle", str(tiny_bundle), "--out", str(out), "--probe-steps", "3", "--quiet",
             "--board", str(tmp_path / "board.md")]
 
-    first = subprocess.run([*base, "--only", "data,probe,train"], env=env, capture_output=True, text=True, timeout=900)
+    first = subprocess.run([*base[:-3], *base[-2:], "--only", "data,probe,train"], env=env, capture_output=True,
+                           text=True, timeout=900)  # not --quiet: the plan is printed first
     assert first.returncode == 0, first.stderr[-3000:]
+    # the GPU plan for the shipped model at the H200 reference: (540 - 10) / 2 - 70 start-up - 40 evaluation - 20
+    # curve = 135 s of training at 347,875 tokens/s = 1,433 steps of 32,768 tokens
+    assert first.stdout.startswith("[reproduce] GPU plan at the reference measurement (one NVIDIA H200, 2026-11-26"), \
+        first.stdout[:500]
+    assert "2 models (rope, coca_slack), 1,433 steps = 47.0M tokens each" in first.stdout.splitlines()[0]
     assert not (out / "results.json").exists() and not (tmp_path / "board.md").exists()  # not finished: no row
     second = subprocess.run([*base, "--only", "eval,report"], env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "matplotlib is not installed" in second.stdout + second.stderr
 
     results = json.loads((out / "results.json").read_text())
-    schemes = ["alibi", "rope", "coca_slack", "coca_strict"]
+    schemes = ["rope", "coca_slack"]  # the speedrun's default pair
     assert list(results["training"]) == schemes
+    assert results["reference_plan"]["train_iters"] == 1433 and results["reference_plan"]["expected_minutes"] == 9.0
+    for scheme in schemes:  # the in-training curve: an evaluation before step 1 and after each of the 3 steps
+        curve = results["training"][scheme]["extrapolation_curve"]
+        assert [row["step"] for row in curve] == [0, 1, 2, 3] and "extrapolation_ratio_x4" in curve[-1]
     assert all(info["steps"] == 3 and info["action"] == "skipped (--only)" for info in results["training"].values())
     probes = results["probe"]["probes"]
     assert set(probes) == set(schemes) and all(row["tokens_per_sec"] > 0 for row in probes.values())
@@ -143,6 +156,7 @@ def test_dry_run_of_every_phase_from_a_bundle_on_a_bare_node(tiny_bundle: Path, 
     assert mix.count("type: megatron") == 2 and str(out / "data/bundle") in mix
     tables = (out / "tables.md").read_text()
     assert "# CoCA speedrun (dry run at toy size)" in tables and "## Probe and budget" in tables
+    assert "## Extrapolation while training" in tables
     (row,) = results_board.read_rows(tmp_path / "board.md", results_board.REPRODUCTIONS)
     assert (row["kind"], row["run"], row["length"]) == ("dry-run", "reproduce gpu-speedrun", "32")
     for scheme in schemes:  # windows 32 ... 128: 1x and 4x evaluated, 32x not

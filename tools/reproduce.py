@@ -35,7 +35,7 @@ from megatron_lite.eval.scaling import parse_int_list
 from megatron_lite.repro.paper import parse_tokens
 from megatron_lite.repro.settings import (DEFAULT_NTK_FACTORS, DEFAULT_PASSKEY_LENGTHS, DEFAULT_WINDOWS,
                                           PAPER_CONFIG_DIR, PHASES, PROFILES, SCHEMES, SPEEDRUN_CONFIG_DIR,
-                                          PaperRunSettings, ReproSettings, SpeedrunBudget)
+                                          SPEEDRUN_PAIR, PaperRunSettings, ReproSettings, SpeedrunBudget)
 
 # Per-profile defaults of the flags that differ (None in argparse means "the profile's").
 PROFILE_DEFAULTS: dict[str, dict[str, object]] = {
@@ -129,7 +129,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="gpu-speedrun: evaluation allowance per model inside the budget")
     parser.add_argument("--probe-steps", type=int, default=SpeedrunBudget.probe_steps,
                         help="gpu-speedrun: steps per scheme in the throughput probe")
-    parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES, help="models to train")
+    parser.add_argument("--schemes", nargs="+", default=None, choices=SCHEMES,
+                        help="models to train (default: all four; gpu-speedrun: the pair rope coca_slack, which fits "
+                             "one 9-minute job with twice the tokens per model)")
     parser.add_argument("--train-iters", type=int, default=None,
                         help="optimizer steps per model (default: cpu-tiny train.train_iters of "
                              "configs/repro/tiny/*.yml; gpu-speedrun: from the probe)")
@@ -202,7 +204,8 @@ def settings_from_args(args: argparse.Namespace) -> ReproSettings:
         books=_as_path(args.books), eval_books=_as_path(args.eval_books), out_dir=args.out, profile=args.profile,
         bundle=args.bundle, bundle_sha256=args.bundle_sha256,
         dry_run=args.dry_run, phases=phases if speedrun else [p for p in phases if p != "probe"], budget=budget,
-        schemes=args.schemes, train_iters=args.train_iters, windows=parse_int_list(windows, "--windows"),
+        schemes=args.schemes or list(SPEEDRUN_PAIR if speedrun else SCHEMES), train_iters=args.train_iters,
+        windows=parse_int_list(windows, "--windows"),
         stride=args.stride, max_doc_tokens=int(_profile_default(args, "max_doc_tokens")),  # type: ignore[arg-type]
         max_docs=int(_profile_default(args, "max_docs")),  # type: ignore[arg-type]
         passkey_lengths=parse_int_list(passkey_lengths, "--passkey-lengths") if passkey_lengths.strip() else [],

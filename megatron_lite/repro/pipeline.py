@@ -160,6 +160,7 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
 
     settings = absolute(settings)
     validate_settings(settings)
+    gpu_plan = speedrun.announce_reference_plan(settings) if settings.profile == "gpu-speedrun" else None
     clock = PhaseClock(settings.out_dir / "wall_times.json", settings)
     with clock.phase("data", timed="data" in settings.phases):
         settings, mix = _prepare_profile(settings)
@@ -231,6 +232,8 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
     results["plots"] = [path.name for path in plots]
     if settings.profile == "gpu-speedrun" and speedrun.probe_path(settings).is_file():
         results["probe"] = json.loads(speedrun.probe_path(settings).read_text())
+    if gpu_plan is not None:
+        results["reference_plan"] = gpu_plan
     if budget is not None:
         results["budget"] = budget
     results["wall_seconds"] = dict(clock.current)

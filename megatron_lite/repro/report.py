@@ -14,6 +14,7 @@ from typing import Any
 
 from megatron_lite.eval.report import (format_ppl, markdown_table, plot_passkey_heatmap, plot_perplexity,
                                        plots_available)
+from megatron_lite.repro.curves import curve_section, plot_curves
 
 PAPER_TABLE_1 = """Paper, Table 1 (350M models trained on 512 tokens, PG-19, columns 512 ... 32K = 1x ... 64x):
 
@@ -180,6 +181,9 @@ def tables_markdown(results: dict[str, Any], headline_factor: float | None) -> s
         if passkey:
             part += "\n\nPasskey accuracy:\n\n" + _grid(passkey, "length", sweep, labels, _accuracy_cell, train_length)
         parts.append(part)
+    curves = curve_section(results)
+    if curves is not None:
+        parts.append(curves)
     if "probe" in results:
         parts.append(probe_section(results["probe"]))
     if "budget" in results:
@@ -193,8 +197,9 @@ def tables_markdown(results: dict[str, Any], headline_factor: float | None) -> s
 
 
 def write_plots(results: dict[str, Any], passkey_cases: Sequence[dict[str, Any]], out_dir: Path) -> list[Path]:
-    """perplexity_vs_window.png (Table 1 rows), perplexity_ntk_factors.png (Table 3 rows), passkey_heatmap.png;
-    none where matplotlib is not installed (a bare GPU node: the tables and results.json hold every number)."""
+    """perplexity_vs_window.png (Table 1 rows), perplexity_ntk_factors.png (Table 3 rows), passkey_heatmap.png,
+    extrapolation_curves.png (the in-training curves); none where matplotlib is not installed (a bare GPU node:
+    the tables and results.json hold every number)."""
     written: list[Path] = []
     if not plots_available():
         return written
@@ -213,4 +218,6 @@ def write_plots(results: dict[str, Any], passkey_cases: Sequence[dict[str, Any]]
     if passkey_cases:
         written.append(out_dir / "passkey_heatmap.png")
         plot_passkey_heatmap(passkey_cases, written[-1])
+    if plot_curves(results, out_dir / "extrapolation_curves.png"):
+        written.append(out_dir / "extrapolation_curves.png")
     return written

@@ -30,6 +30,7 @@ from megatron_lite.repro.bundle import parse_sha256
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCHEMES = PAPER_LABELS  # the four models, by label (configs repro_<label>.yml)
+SPEEDRUN_PAIR = ("rope", "coca_slack")  # the speedrun's default: the paper's question, twice the tokens per model
 PROFILES = ("cpu-tiny", "gpu-speedrun", "paper-350m")
 PHASES = ("data", "probe", "train", "eval", "report")  # the speedrun's; the other profiles have no probe
 DEFAULT_CONFIG_DIR = REPO_ROOT / "configs" / "repro" / "tiny"
@@ -49,6 +50,8 @@ class SpeedrunBudget:
 
     total_seconds: float = 540.0  # training + evaluation of all four models: 9 minutes on one H100
     eval_seconds_per_model: float = 40.0  # perplexity + passkey of one model, all scalings (an allowance)
+    curve_seconds_per_model: float = 20.0  # the in-training extrapolation curve's evaluations (an allowance)
+    curve_points: int = 10  # evaluations of the curve per model (and one before the first step)
     report_seconds: float = 10.0
     probe_steps: int = 30  # steps per scheme in the probe (its first log interval, with the compile, is dropped)
     max_train_tokens: int = 200_000_000  # cap on tokens per model however fast the device is
@@ -286,6 +289,11 @@ def planned_train_iters(settings: ReproSettings, config: Config, scheme: str) ->
     if config.train.train_iters is None:
         raise ValueError(f"{config_path(settings, scheme)}: train.train_iters is null; pass --train-iters")
     return config.train.train_iters
+
+
+def curve_interval(train_iters: int, budget: SpeedrunBudget) -> int:
+    """Steps between the speedrun's in-training extrapolation evaluations: ``budget.curve_points`` per model."""
+    return max(1, train_iters // budget.curve_points)
 
 
 def speedrun_save_interval(train_iters: int) -> int:

@@ -28,7 +28,14 @@ DRY_RUN_MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_attent
                  "model.intermediate_size=64", "model.seq_length=32", "model.max_position_embeddings=32",
                  "precision=fp32", "train.compile=false", "train.train_micro_batch_size_per_gpu=4",
                  "train.log_interval=1", "train.eval_interval=0", "train.num_workers=0", "data.num_workers=1"]
+DRY_RUN_CURVE = ["train.extrapolation_eval.windows=[1, 2, 4]", "train.extrapolation_eval.scored_tokens_per_book=32"]
 DRY_RUN_MAX_ITERS = 3  # the dry run proves the phases, not the numbers
+# The speedrun model's measured throughput, the plan printed before the probe measures this device: one H200,
+# 2026-11-26, commit f895ab5 (the trainer before the GPU-speed work), RoPE the slower of the pair: 347,875 tokens/s
+# steady; its 500-step training took 117.5 s of wall time for 47.1 s of steps, so ~70 s of start-up (process,
+# DeepSpeed, compile, checkpoints). docs/reproduction.md and ../gpu_runs give the run.
+REFERENCE_MEASUREMENT = {"device": "one NVIDIA H200", "date": "2026-11-26", "commit": "f895ab5",
+                         "tokens_per_sec": 347_875.0, "startup_seconds": 70.0}
 PROBE_LOG_INTERVAL = 5
 
 
@@ -61,7 +68,7 @@ def bundle_mix_document(bundle: UnpackedBundle) -> dict[str, Any]:
 def profile_overrides(settings: ReproSettings, bundle: UnpackedBundle) -> list[str]:
     """The bundle's tokenizer and vocabulary for every model; the toy model in a dry run."""
     overrides = [f"data.tokenizer.model={json.dumps(str(bundle.tokenizer))}", f"model.vocab_size={bundle.vocab_size}"]
-    return overrides + (DRY_RUN_MODEL if settings.dry_run else [])
+    return overrides + (DRY_RUN_MODEL + DRY_RUN_CURVE if settings.dry_run else [])
 
 
 def environment(settings: ReproSettings) -> dict[str, str]:
@@ -89,7 +96,8 @@ def probe_scheme(settings: ReproSettings, scheme: str, config: Config) -> dict[s
     steps = settings.budget.probe_steps
     command = train_command(settings, scheme, steps, run_dir=run)
     command += ["--set", f"train.log_interval={min(PROBE_LOG_INTERVAL, max(1, steps // 3))}",
-                "--set", "train.eval_interval=0", "--set", "train.save_interval=0"]
+                "--set", "train.eval_interval=0", "--set", "train.save_interval=0",
+                "--set", "train.extrapolation_eval.interval=0"]  # the probe times training only
     log_path = settings.out_dir / "logs" / f"probe_{scheme}.log"
     start = time.perf_counter()
     exit_code = run_logged(command, log_path, settings.progress, settings.threads, environment(settings))
@@ -111,12 +119,43 @@ def plan_train_iters(budget: SpeedrunBudget, probes: dict[str, dict[str, Any]], 
     evaluation allowance, split evenly, at the slowest scheme's tokens/s; capped at ``max_train_tokens``."""
     slowest = min(probe["tokens_per_sec"] for probe in probes.values())
     startup = max(probe["startup_seconds"] for probe in probes.values())
-    train_seconds = (budget.total_seconds - budget.report_seconds) / models - startup - budget.eval_seconds_per_model
+    train_seconds = ((budget.total_seconds - budget.report_seconds) / models - startup - budget.eval_seconds_per_model
+                     - budget.curve_seconds_per_model)
     by_budget = math.floor(max(0.0, train_seconds) * slowest / step_tokens)
     by_cap = budget.max_train_tokens // step_tokens
     return {"train_iters": min(by_budget, by_cap), "limited_by": "budget" if by_budget <= by_cap else "token cap",
             "train_seconds_per_model": round(train_seconds, 1), "slowest_tokens_per_sec": slowest,
             "startup_seconds": startup, "tokens_per_step": step_tokens, "budget": asdict(budget)}
+
+
+def reference_plan(settings: ReproSettings) -> dict[str, Any]:
+    """The budget's plan at the reference measurement (``REFERENCE_MEASUREMENT``) for the shipped speedrun model,
+    a dry run's toy model notwithstanding: what a GPU run of these settings should train."""
+    from megatron_lite import config as config_lib
+    from megatron_lite.repro.settings import config_path
+    from megatron_lite.repro.training import TRAIN_COMMAND_RANKS, tokens_per_step
+
+    shipped = config_lib.load(config_path(settings, settings.schemes[0]))
+    step_tokens = tokens_per_step(shipped, TRAIN_COMMAND_RANKS)
+    plan = plan_train_iters(settings.budget, {"reference": REFERENCE_MEASUREMENT}, step_tokens, len(settings.schemes))
+    per_model = (plan["startup_seconds"] + settings.budget.eval_seconds_per_model
+                 + settings.budget.curve_seconds_per_model + plan["train_iters"] * step_tokens / plan["slowest_tokens_per_sec"])
+    return {**plan, "tokens_per_model": plan["train_iters"] * step_tokens, "models": len(settings.schemes),
+            "expected_minutes": round((per_model * len(settings.schemes) + settings.budget.report_seconds) / 60, 1),
+            "reference": REFERENCE_MEASUREMENT}
+
+
+def announce_reference_plan(settings: ReproSettings) -> dict[str, Any]:
+    """Print the GPU plan before anything trains; the probe then replaces the reference with this device."""
+    plan = reference_plan(settings)
+    reference = plan["reference"]
+    log(settings, f"GPU plan at the reference measurement ({reference['device']}, {reference['date']}, commit "
+                  f"{reference['commit']}: {reference['tokens_per_sec']:,.0f} tokens/s, {reference['startup_seconds']:g} s "
+                  f"start-up): {plan['models']} models ({', '.join(settings.schemes)}), {plan['train_iters']:,} steps "
+                  f"= {plan['tokens_per_model'] / 1e6:,.1f}M tokens each, {plan['train_seconds_per_model']} s of "
+                  f"training per model, about {plan['expected_minutes']} min in all (budget "
+                  f"{settings.budget.total_seconds:g} s); the probe measures this device and sets the steps")
+    return plan
 
 
 def planned_iters(settings: ReproSettings, configs: dict[str, Config]) -> int:

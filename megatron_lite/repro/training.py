@@ -16,7 +16,7 @@ from typing import Any
 from megatron_lite import checkpoint_dirs
 from megatron_lite.config import Config
 from megatron_lite.repro.settings import (REPO_ROOT, ReproSettings, all_overrides, config_path, log,
-                                          speedrun_save_interval)
+                                          curve_interval, speedrun_save_interval)
 from megatron_lite.repro.settings import run_dir as run_dir_of
 from megatron_lite.training.deepspeed_config import resolve_batch_sizes
 
@@ -62,7 +62,8 @@ def train_command(settings: ReproSettings, scheme: str, train_iters: int, run_di
     for override in all_overrides(settings):
         command += ["--set", override]
     if settings.profile == "gpu-speedrun":
-        command += ["--set", f"train.save_interval={speedrun_save_interval(train_iters)}"]
+        command += ["--set", f"train.save_interval={speedrun_save_interval(train_iters)}",
+                    "--set", f"train.extrapolation_eval.interval={curve_interval(train_iters, settings.budget)}"]
     return command
 
 
@@ -170,6 +171,7 @@ def training_summary(directory: Path, config: Config, train_iters: int, action: 
     """What the run reports about itself: steps, tokens, the last training and validation loss, steady
     tokens/s and MFU, peak memory (GB)."""
     from megatron_lite.model.params import counted_parameter_count
+    from megatron_lite.training.extrapolation import curve_rows
     from megatron_lite.training.metrics import read_metrics
 
     status = training_status(directory, train_iters)
@@ -188,7 +190,8 @@ def training_summary(directory: Path, config: Config, train_iters: int, action: 
             "final_val_ppl": validation[-1].get("val_ppl") if validation else None,
             "tokens_per_sec": None if rate is None else round(rate, 1),
             "mfu": None if mfu is None else round(mfu, 4), "peak_memory_gb": max(memory) if memory else None,
-            "checkpoint": str(status.checkpoint) if status.checkpoint else None}
+            "checkpoint": str(status.checkpoint) if status.checkpoint else None,
+            "extrapolation_curve": curve_rows(rows)}  # train.extrapolation_eval's rows; [] when it was off
 
 
 def train_scheme(settings: ReproSettings, scheme: str, config: Config, train_iters: int,

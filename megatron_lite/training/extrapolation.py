@@ -110,7 +110,7 @@ class ExtrapolationEval:
         needed = max(settings.windows) * seq_length + scored_per_book(settings, seq_length)
         documents = load_documents(settings.books, load_tokenizer(tokenizer_path), needed,
                                    max_documents=settings.max_books, strip_gutenberg=settings.strip_gutenberg,
-                                   flags=(f"{KEY}.books", f"{KEY}.scored_tokens_per_book + the largest window"))
+                                   flags=(f"{KEY}.books", f"{KEY}.scored_tokens_per_book or windows"))
         return cls(settings, config.model, documents.token_ids, device)
 
     def describe(self) -> str:
@@ -187,11 +187,16 @@ def format_row(row: dict[str, Any], windows: list[int], total_steps: int) -> str
             f"{row['extrapolation_seconds']:.1f} s")
 
 
+def curve_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The evaluations among a run's metrics rows, one per step (a fresh restart's step-0 row once), in order."""
+    by_step = {row["step"]: row for row in rows if ppl_key(1) in row}
+    return [by_step[step] for step in sorted(by_step)]
+
+
 def plot_curve(metrics_path: Path, out_path: Path, title: str) -> Path | None:
     """Perplexity at every window (left, log scale) and ppl(kx)/ppl(1x) (right) against tokens seen, from every
     evaluation in metrics.jsonl (a resumed run's too); None without evaluations or matplotlib."""
-    by_step = {row["step"]: row for row in metrics_lib.read_metrics(metrics_path) if ppl_key(1) in row}
-    rows = [by_step[step] for step in sorted(by_step)]  # a fresh restart's step-0 row once
+    rows = curve_rows(metrics_lib.read_metrics(metrics_path))
     from megatron_lite.eval.report import plots_available
 
     if not rows or not plots_available():
