@@ -9,12 +9,19 @@ directory stops with one line naming the holder, unless the holder is gone: its 
 host), or its heartbeat is older than ``STALE_HEARTBEATS`` periods (another host: 120 s by default).
 Such a lock is taken over with a notice, race-safe: under a guard file (made the same way) the taker
 checks that the lock is still the one judged stale before replacing it by its own.
+
+``python -m megatron_lite.training.run_lock RUN_DIR`` waits until the run in RUN_DIR has ended (its lock
+released, or its holder gone), says how it ended and exits with the code train.py gives for that ending as one
+process: what a job script reads after a signal, on which the ``deepspeed`` launcher returns at once, before
+its ranks have saved (docs/training.md, "Stopping and exit codes").
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -25,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_lite.cli import seconds_from_env
+from megatron_lite.cli import cli_main, run_cli, seconds_from_env
 from megatron_lite.console import notice
 
 LOCK_FILE = "run.lock"
@@ -34,6 +41,7 @@ DEFAULT_HEARTBEAT_SECONDS = 30.0
 STALE_HEARTBEATS = 4  # a holder whose lock went this many periods without a heartbeat is gone
 POLL_SECONDS = 1.0  # how often --wait-for-lock looks again
 GUARD_STALE_SECONDS = 10.0  # a takeover takes milliseconds: a guard this old was left by a killed taker
+EXIT_NO_ENDING = 1  # the run wrote no closing metrics row: killed (SIGKILL, or a crash) or never started training
 
 
 class RunDirLocked(ValueError):
@@ -214,3 +222,68 @@ def hold_run_dir(run_dir: Path, is_main: bool, device: Any, wait_seconds: float 
     finally:
         if lock is not None:
             lock.release()
+
+
+def wait_for_run_end(run_dir: Path, timeout: float) -> None:
+    """Return once no live run holds ``run_dir``: its lock released, or its holder gone (a killed run's lock
+    is taken over, with the notice naming it). Taken and given back at once; ValueError past ``timeout``."""
+    if not timeout >= 0:
+        raise ValueError(f"--timeout {timeout}: must be a number of seconds >= 0")
+    if not run_dir.is_dir():
+        raise ValueError(f"{run_dir}: no such run dir")
+    try:
+        acquire(run_dir, timeout).release()
+    except RunDirLocked:
+        holder = read_holder(run_dir / LOCK_FILE)
+        raise ValueError(f"{run_dir}: its run has not ended after {timeout:.0f} s (held by "
+                         f"{holder.describe() if holder else 'a run that just ended'})") from None
+
+
+def run_ending(run_dir: Path) -> tuple[str, int]:
+    """How the ended run in ``run_dir`` stopped, from its last metrics.jsonl row, as one line naming the
+    checkpoint a resume starts from; and train.py's exit code for that ending as one process (0, 3, 4, 130,
+    143; ``EXIT_NO_ENDING`` without a closing row)."""
+    from megatron_lite import checkpoint_dirs
+    from megatron_lite.training.loop import EXIT_FAILED_SAVES, EXIT_NONFINITE, EXIT_OK, EXIT_SIGNAL_BASE
+    from megatron_lite.training.metrics import read_metrics
+
+    path = run_dir / "metrics.jsonl"
+    rows = read_metrics(path) if path.is_file() else []
+    last = rows[-1] if rows else {}
+    checkpoint = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
+    resume = f"--resume auto starts from {checkpoint or 'step 0 (no complete checkpoint)'}"
+    stopped_by = last.get("stopped_by")
+    if stopped_by is None:
+        return (f"{run_dir}: ended without a closing row in {path} (killed, or stopped before its first step); "
+                f"{resume}", EXIT_NO_ENDING)
+    name = last.get("signal")
+    code = {"nonfinite": EXIT_NONFINITE, "failed_saves": EXIT_FAILED_SAVES,
+            "final_save_failed": EXIT_FAILED_SAVES}.get(stopped_by, EXIT_OK)
+    if stopped_by == "signal":  # "a signal on another rank" (rank 0 got none, e.g. another node's): SIGTERM's code
+        code = EXIT_SIGNAL_BASE + (signal.Signals[name] if name in signal.Signals.__members__ else signal.SIGTERM)
+    how = (f"stopped by {name}" if stopped_by == "signal" else
+           f"{stopped_by.replace('_', ' ')}{f' ({name})' if name else ''}") + f" at step {last.get('step')}"
+    return f"{run_dir}: {how}; {resume}", code
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_lite.training.run_lock",
+        description="Wait until the run in RUN_DIR has ended (its run.lock released, or its holder gone), print how "
+                    "it ended and exit with the code train.py gives for that as one process: 0 completed or "
+                    "train.exit_interval, 3 non-finite losses, 4 failed saves, 130/143 SIGINT/SIGTERM, 1 no closing "
+                    "row (killed). On a signal the deepspeed launcher exits at once, before its ranks have saved: a "
+                    "job script runs this next (docs/training.md, 'Stopping and exit codes').")
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                        help="give up (exit 2) if the run still holds its lock after SECONDS (default 600)")
+    args = parser.parse_args(argv)
+    wait_for_run_end(args.run_dir, args.timeout)
+    line, code = run_ending(args.run_dir)
+    print(line, flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -137,7 +137,8 @@ def _step_of(step_dir: Path | None) -> str:
 
 class StopRequest:
     """SIGTERM/SIGINT set a flag the loop checks after each step (all ranks agree via all-reduce);
-    a second SIGINT interrupts at once."""
+    a second SIGINT interrupts at once. The first signal is the one reported: on Ctrl-C the deepspeed launcher
+    sends its ranks a SIGTERM of its own right after the SIGINT they got from the terminal."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
@@ -149,9 +150,10 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signal_name is not None and signum == signal.SIGINT:
+        if self.signal_name is None:
+            self.signal_name = signal.Signals(signum).name
+        elif signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.signal_name = signal.Signals(signum).name
 
     def received(self, on_any_rank: bool) -> str | None:
         """The signal to report when the ranks agree that one of them received one."""
