@@ -59,7 +59,7 @@ def curve_section(results: dict[str, Any]) -> str | None:
             f"Perplexity on the same {rows[-1]['extrapolation_scored_tokens']:,} held-out tokens through windows of "
             f"1x-{multiples[-1]}x the training length (`train.extrapolation_eval`), every evaluation of the run: "
             "xK/x1 > 1 means the context past the training length hurts (RoPE's break, where it appears), < 1 that "
-            f"it helps. {len(seconds)} evaluations, {sum(seconds):,.0f} s in all (not counted as training time). "
+            f"it helps. {len(seconds)} evaluations, {sum(seconds):,.1f} s in all (not counted as training time). "
             "Every window and scaling is in results.json (`training.<model>.extrapolation_curve`) and "
             "extrapolation_curves.png.\n\n" + markdown_table(header, body))
 

@@ -137,11 +137,12 @@ def reference_plan(settings: ReproSettings) -> dict[str, Any]:
 
     shipped = config_lib.load(config_path(settings, settings.schemes[0]))
     step_tokens = tokens_per_step(shipped, TRAIN_COMMAND_RANKS)
-    plan = plan_train_iters(settings.budget, {"reference": REFERENCE_MEASUREMENT}, step_tokens, len(settings.schemes))
-    per_model = (plan["startup_seconds"] + settings.budget.eval_seconds_per_model
-                 + settings.budget.curve_seconds_per_model + plan["train_iters"] * step_tokens / plan["slowest_tokens_per_sec"])
-    return {**plan, "tokens_per_model": plan["train_iters"] * step_tokens, "models": len(settings.schemes),
-            "expected_minutes": round((per_model * len(settings.schemes) + settings.budget.report_seconds) / 60, 1),
+    budget, models = settings.budget, len(settings.schemes)
+    plan = plan_train_iters(budget, {"reference": REFERENCE_MEASUREMENT}, step_tokens, models)
+    per_model = (plan["startup_seconds"] + budget.eval_seconds_per_model + budget.curve_seconds_per_model
+                 + plan["train_iters"] * step_tokens / plan["slowest_tokens_per_sec"])
+    return {**plan, "tokens_per_model": plan["train_iters"] * step_tokens, "models": models,
+            "expected_minutes": round((per_model * models + budget.report_seconds) / 60, 1),
             "reference": REFERENCE_MEASUREMENT}
 
 
@@ -149,12 +150,14 @@ def announce_reference_plan(settings: ReproSettings) -> dict[str, Any]:
     """Print the GPU plan before anything trains; the probe then replaces the reference with this device."""
     plan = reference_plan(settings)
     reference = plan["reference"]
+    training = (f"{plan['train_iters']:,} steps = {plan['tokens_per_model'] / 1e6:,.1f}M tokens each, "
+                f"{plan['train_seconds_per_model']} s of training per model, about {plan['expected_minutes']} min "
+                f"in all" if plan["train_iters"] else "no training time left at the reference: raise --budget-seconds")
     log(settings, f"GPU plan at the reference measurement ({reference['device']}, {reference['date']}, commit "
-                  f"{reference['commit']}: {reference['tokens_per_sec']:,.0f} tokens/s, {reference['startup_seconds']:g} s "
-                  f"start-up): {plan['models']} models ({', '.join(settings.schemes)}), {plan['train_iters']:,} steps "
-                  f"= {plan['tokens_per_model'] / 1e6:,.1f}M tokens each, {plan['train_seconds_per_model']} s of "
-                  f"training per model, about {plan['expected_minutes']} min in all (budget "
-                  f"{settings.budget.total_seconds:g} s); the probe measures this device and sets the steps")
+                  f"{reference['commit']}: {reference['tokens_per_sec']:,.0f} tokens/s, "
+                  f"{reference['startup_seconds']:g} s start-up): {plan['models']} models "
+                  f"({', '.join(settings.schemes)}), {training} (budget {settings.budget.total_seconds:g} s); the "
+                  "probe measures this device and sets the steps")
     return plan
 
 

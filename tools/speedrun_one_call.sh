@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# The gpu-speedrun pair (RoPE and CoCA slack, with the in-training extrapolation curve) on a bare, offline node,
+# within one job of at most 10 minutes (docs/reproduction.md, "Profile gpu-speedrun").
+#
+#   bash tools/speedrun_one_call.sh WHEELS_DIR BUNDLE OUT [extra tools/reproduce.py arguments]
+#
+# WHEELS_DIR  the wheels of tools/fetch_wheels.py (installed into /tmp/site); '-' installs nothing
+# BUNDLE      a data bundle of tools/build_data_bundle.py (BUNDLE.sha256 beside it)
+# OUT         receives what is small enough to bring back, no checkpoints: log.txt (everything printed),
+#             results.json, tables.md, probe.json, wall_times.json, the plots, <scheme>_metrics.jsonl (the
+#             curve is in them), <scheme>_extrapolation.png, <scheme>_train_log_tail.txt, results_board.md
+#
+# Phases, each under its own timeout, so that a cut run keeps what the earlier ones did:
+#   P0  wheels, versions
+#   P1  reproduce.py --only data,probe: the bundle unpacked and checked, the probe; the training budget is what
+#       the call has left after it (SPEEDRUN_TRAIN_EVAL_S, default: the budget less the time spent so far,
+#       the probe's estimate and 40 s for copying), fixed now because the probe turns it into the step count
+#   P2  reproduce.py --only train,eval,report under the time left; a SIGTERM at the limit makes train.py save
+#   P3  the small outputs into OUT (also after a cut P2: the metrics rows and curve so far)
+# Environment: PYTHON (python3), SPEEDRUN_WORK (/tmp/speedrun: scratch, the run's OUT), GPU_ONE_CALL_SITE
+# (/tmp/site), SPEEDRUN_BUDGET (570: seconds for the whole call), SPEEDRUN_PROBE_S (120: the probe's estimate).
+set -u -o pipefail
+
+if [ $# -lt 3 ]; then
+  echo "usage: bash tools/speedrun_one_call.sh WHEELS_DIR BUNDLE OUT [extra tools/reproduce.py arguments]" >&2
+  exit 2
+fi
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PY=${PYTHON:-python3}
+WORK=${SPEEDRUN_WORK:-/tmp/speedrun}
+SITE=${GPU_ONE_CALL_SITE:-/tmp/site}
+BUDGET=${SPEEDRUN_BUDGET:-570}
+PROBE_S=${SPEEDRUN_PROBE_S:-120}
+WHEELS=$1
+if [ "$WHEELS" != "-" ]; then
+  WHEELS=$(cd "$WHEELS" 2>/dev/null && pwd) || { echo "error: WHEELS_DIR $1: no such directory" >&2; exit 2; }
+fi
+[ -f "$2" ] || { echo "error: BUNDLE $2: no such file" >&2; exit 2; }
+BUNDLE=$(cd "$(dirname "$2")" && pwd)/$(basename "$2")
+mkdir -p "$3" && OUT=$(cd "$3" && pwd) || { echo "error: OUT $3: cannot create it" >&2; exit 2; }
+shift 3
+
+T0=$(date +%s)
+el() { echo $(( $(date +%s) - T0 )); }
+exec > >(tee -a "$OUT/log.txt") 2>&1
+echo "[t=$(el)] speedrun_one_call: repo $REPO, wheels $WHEELS, bundle $BUNDLE, out $OUT, budget ${BUDGET} s"
+cd "$REPO" || exit 1
+
+# P0: wheels, versions
+if [ "$WHEELS" != "-" ]; then
+  shopt -s nullglob
+  wheels=("$WHEELS"/*.whl)
+  shopt -u nullglob
+  [ ${#wheels[@]} -gt 0 ] || { echo "error: WHEELS_DIR $WHEELS holds no .whl files"; exit 2; }
+  timeout 180 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "${wheels[@]}" || { echo "error: installing the wheels failed"; exit 1; }
+  export PATH="$SITE/bin:$PATH"
+  export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+timeout 120 "$PY" -c "import sys, torch, deepspeed; print('python', sys.version.split()[0], 'torch', \
+torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__)" \
+  || { echo "error: the Python packages do not import"; exit 1; }
+echo "[t=$(el)] P0 done"
+
+# P1: data and probe, with the training budget this call can still give
+TRAIN_EVAL_S=${SPEEDRUN_TRAIN_EVAL_S:-$(( BUDGET - $(el) - PROBE_S - 40 ))}
+if [ "$TRAIN_EVAL_S" -lt 120 ]; then
+  echo "error: only ${TRAIN_EVAL_S} s left of the ${BUDGET} s budget for training and evaluation"; exit 1
+fi
+COMMON=(tools/reproduce.py --profile gpu-speedrun --bundle "$BUNDLE" --out "$WORK" --board "$OUT/results_board.md"
+        --budget-seconds "$TRAIN_EVAL_S")
+timeout -k 20 $(( PROBE_S + 60 )) "$PY" "${COMMON[@]}" --only data,probe "$@"
+PROBE_RC=$?
+echo "[t=$(el)] P1 done: data + probe exited $PROBE_RC (training + evaluation budget ${TRAIN_EVAL_S} s)"
+
+# P2: train, evaluate, report in what is left (SIGTERM first: train.py saves, the rerun of this call resumes)
+RC=$PROBE_RC
+if [ "$PROBE_RC" -eq 0 ]; then
+  LEFT=$(( BUDGET - $(el) - 30 ))
+  timeout -s TERM -k 20 "$LEFT" "$PY" "${COMMON[@]}" --only train,eval,report "$@"
+  RC=$?
+  echo "[t=$(el)] P2 done: train + eval + report exited $RC (timeout ${LEFT} s)"
+fi
+
+# P3: the small outputs
+for name in results.json tables.md probe.json wall_times.json; do
+  [ -f "$WORK/$name" ] && cp "$WORK/$name" "$OUT/$name"
+done
+cp "$WORK"/*.png "$OUT/" 2>/dev/null
+for run in "$WORK"/runs/*/; do
+  scheme=$(basename "$run")
+  [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$OUT/${scheme}_metrics.jsonl"
+  [ -f "$run/extrapolation.png" ] && cp "$run/extrapolation.png" "$OUT/${scheme}_extrapolation.png"
+  [ -f "$WORK/logs/train_$scheme.log" ] && tail -c 20000 "$WORK/logs/train_$scheme.log" \
+    > "$OUT/${scheme}_train_log_tail.txt"
+done
+echo "[t=$(el)] end: $OUT"
+exit "$RC"
