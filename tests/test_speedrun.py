@@ -185,3 +185,13 @@ def test_a_corrupted_bundle_stops_the_run_in_one_line(tiny_bundle: Path, tmp_pat
     assert not (tmp_path / "out" / "data" / "bundle").exists()
     assert reproduce.main([*argv, "--bundle-sha256", "12ab"]) == 2
     assert capsys.readouterr().err == "error: --bundle-sha256 '12ab': expected a sha256, 64 hexadecimal digits\n"
+
+
+def test_one_call_script_parses_and_names_its_arguments() -> None:
+    script = REPO / "tools/speedrun_one_call.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert usage.returncode == 2
+    assert usage.stderr.startswith("usage: bash tools/speedrun_one_call.sh WHEELS_DIR BUNDLE OUT")
+    missing = subprocess.run(["bash", str(script), "-", "/nonexistent.tar.xz", "/tmp/x"], capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stderr.strip() == "error: BUNDLE /nonexistent.tar.xz: no such file"

@@ -17,49 +17,15 @@
 # GPU_ONE_CALL_BUDGET (560: seconds for the whole call; P1 gets what P0 left, less 30 s for P2).
 set -u -o pipefail
 
-if [ $# -lt 3 ]; then
-  echo "usage: bash tools/gpu_one_call.sh WHEELS_DIR BUNDLE OUT [extra tools/gpu_check.py arguments]" >&2
-  exit 2
-fi
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-PY=${PYTHON:-python3}
+USAGE="bash tools/gpu_one_call.sh WHEELS_DIR BUNDLE OUT [extra tools/gpu_check.py arguments]"
+# shellcheck source=tools/one_call_setup.sh
+source "$(dirname "${BASH_SOURCE[0]}")/one_call_setup.sh"
 WORK=${GPU_ONE_CALL_WORK:-/tmp/gpu_one_call}
-SITE=${GPU_ONE_CALL_SITE:-/tmp/site}
 BUDGET=${GPU_ONE_CALL_BUDGET:-560}
-WHEELS=$1
-if [ "$WHEELS" != "-" ]; then
-  WHEELS=$(cd "$WHEELS" 2>/dev/null && pwd) || { echo "error: WHEELS_DIR $1: no such directory" >&2; exit 2; }
-fi
-[ -f "$2" ] || { echo "error: BUNDLE $2: no such file" >&2; exit 2; }
-BUNDLE=$(cd "$(dirname "$2")" && pwd)/$(basename "$2")
-mkdir -p "$3" && OUT=$(cd "$3" && pwd) || { echo "error: OUT $3: cannot create it" >&2; exit 2; }
-shift 3
-
-T0=$(date +%s)
-el() { echo $(( $(date +%s) - T0 )); }
-exec > >(tee -a "$OUT/log.txt") 2>&1
-echo "[t=$(el)] gpu_one_call: repo $REPO, wheels $WHEELS, bundle $BUNDLE, out $OUT, budget ${BUDGET} s"
-cd "$REPO" || exit 1
+echo "[t=$(el)] budget ${BUDGET} s"
 mkdir -p "$WORK"
 
-# P0: wheels, versions, data
-if [ "$WHEELS" != "-" ]; then
-  shopt -s nullglob
-  wheels=("$WHEELS"/*.whl)
-  shopt -u nullglob
-  [ ${#wheels[@]} -gt 0 ] || { echo "error: WHEELS_DIR $WHEELS holds no .whl files"; exit 2; }
-  timeout 180 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" "${wheels[@]}" || { echo "error: installing the wheels failed"; exit 1; }
-  export PATH="$SITE/bin:$PATH"
-  export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
-else
-  export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-timeout 120 "$PY" -c "import sys, torch, deepspeed, transformers; print('python', sys.version.split()[0], \
-'torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__, \
-'transformers', transformers.__version__)" || { echo "error: the Python packages do not import"; exit 1; }
+# P0: wheels, versions (one_call_setup.sh), data
 DATA_ARGS=$(timeout 180 "$PY" -m megatron_lite.bench.users_command "$BUNDLE" "$WORK/data")
 if [ $? -ne 0 ] || [ -z "$DATA_ARGS" ]; then
   echo "[t=$(el)] the bundle did not unpack: the users_command section will be a skipped row"
