@@ -59,15 +59,21 @@ class TrainingResult:
     # | "final_save_failed"
     last_checkpoint: Path | None
     # The signal that stopped a one-process run, exiting 128 + its number. None with several ranks: a rank exiting
-    # non-zero makes the deepspeed launcher kill the others' final work (it exits 1 on a signal anyway).
+    # non-zero makes the deepspeed launcher kill the others' final work (the launcher itself exits 128 + the signal
+    # at once; docs/training.md, "Stopping and exit codes").
     exit_signal: str | None = None
 
     @property
     def exit_code(self) -> int:
-        if self.exit_signal is not None:
-            return EXIT_SIGNAL_BASE + signal.Signals[self.exit_signal].value
-        return {"nonfinite": EXIT_NONFINITE, "failed_saves": EXIT_FAILED_SAVES,
-                "final_save_failed": EXIT_FAILED_SAVES}.get(self.stopped_by, EXIT_OK)
+        return exit_code_for(self.stopped_by, self.exit_signal)
+
+
+def exit_code_for(stopped_by: str, signal_name: str | None = None) -> int:
+    """train.py's exit code as one process for a run that ended so: 128 + the signal's number, 3, 4 or 0."""
+    if signal_name is not None:
+        return EXIT_SIGNAL_BASE + signal.Signals[signal_name].value
+    return {"nonfinite": EXIT_NONFINITE, "failed_saves": EXIT_FAILED_SAVES,
+            "final_save_failed": EXIT_FAILED_SAVES}.get(stopped_by, EXIT_OK)
 
 
 def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iters: int | None = None,

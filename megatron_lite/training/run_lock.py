@@ -244,7 +244,7 @@ def run_ending(run_dir: Path) -> tuple[str, int]:
     checkpoint a resume starts from; and train.py's exit code for that ending as one process (0, 3, 4, 130,
     143; ``EXIT_NO_ENDING`` without a closing row)."""
     from megatron_lite import checkpoint_dirs
-    from megatron_lite.training.loop import EXIT_FAILED_SAVES, EXIT_NONFINITE, EXIT_OK, EXIT_SIGNAL_BASE
+    from megatron_lite.training.loop import exit_code_for
     from megatron_lite.training.metrics import read_metrics
 
     path = run_dir / "metrics.jsonl"
@@ -257,10 +257,9 @@ def run_ending(run_dir: Path) -> tuple[str, int]:
         return (f"{run_dir}: ended without a closing row in {path} (killed, or stopped before its first step); "
                 f"{resume}", EXIT_NO_ENDING)
     name = last.get("signal")
-    code = {"nonfinite": EXIT_NONFINITE, "failed_saves": EXIT_FAILED_SAVES,
-            "final_save_failed": EXIT_FAILED_SAVES}.get(stopped_by, EXIT_OK)
-    if stopped_by == "signal":  # "a signal on another rank" (rank 0 got none, e.g. another node's): SIGTERM's code
-        code = EXIT_SIGNAL_BASE + (signal.Signals[name] if name in signal.Signals.__members__ else signal.SIGTERM)
+    # "a signal on another rank" (rank 0 got none, e.g. another node's): SIGTERM's code
+    known = name if name in signal.Signals.__members__ else "SIGTERM"
+    code = exit_code_for(stopped_by, known if stopped_by == "signal" else None)
     how = (f"stopped by {name}" if stopped_by == "signal" else
            f"{stopped_by.replace('_', ' ')}{f' ({name})' if name else ''}") + f" at step {last.get('step')}"
     return f"{run_dir}: {how}; {resume}", code
