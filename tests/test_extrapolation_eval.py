@@ -93,6 +93,18 @@ def test_perplexity_is_the_sliding_window_perplexity_of_the_same_targets(scheme:
     assert row["extrapolation_seconds"] > 0
 
 
+def test_learned_positions_skip_the_windows_past_their_table() -> None:
+    model = build_model(tiny_eval_config("learned", seq_length=SEQ, vocab_size=300))  # positions end at SEQ
+    books = [torch.randint(0, 300, (4 * SEQ + 2 * SEQ,), generator=torch.Generator().manual_seed(3))]
+    evaluation = ExtrapolationEval(_settings([]), model.config, books, torch.device("cpu"))
+    assert (evaluation.windows, evaluation.skipped_windows, evaluation.max_window) == ([1], [2, 4], 4 * SEQ)
+    assert "windows 2x, 4x skipped (learned positions cannot extrapolate)" in evaluation.describe()
+    row = evaluation.evaluate(model)  # the same targets as the other schemes score: after the largest window
+    assert set(row) == {ppl_key(1), "extrapolation_scored_tokens", "extrapolation_seconds"}
+    model.eval()
+    assert row[ppl_key(1)] == pytest.approx(_reference_ppl(model, evaluation.books, SEQ, 4 * SEQ, 2 * SEQ), rel=1e-5)
+
+
 def test_keys_console_line_and_plot(tmp_path: Path) -> None:
     dynamic = parse_scaling("dynamic:4")
     assert (ppl_key(4), ratio_key(4), ppl_key(4, dynamic)) == (

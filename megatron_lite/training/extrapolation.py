@@ -35,6 +35,7 @@ from megatron_lite.data.tokenizer import load_tokenizer
 from megatron_lite.eval.documents import load_documents
 from megatron_lite.eval.scaling import NO_SCALING, ScalingSpec, parse_scaling
 from megatron_lite.model.loss import IGNORE_INDEX
+from megatron_lite.model.variants import variant_of_position
 from megatron_lite.training import metrics as metrics_lib
 
 KEY = "train.extrapolation_eval"
@@ -58,10 +59,10 @@ def _scaling_suffix(scaling: ScalingSpec) -> str:
 
 @dataclass(frozen=True)
 class ScoredBlock:
-    """One forward: the model reads ``tokens`` (L,) and scores its last ``scored`` predictions."""
+    """One forward: the model reads ``input_ids_T`` and scores its last seq_length predictions."""
 
     input_ids_T: torch.Tensor  # (L,)
-    labels_T: torch.Tensor  # (L,), IGNORE_INDEX but for the last ``scored`` positions
+    labels_T: torch.Tensor  # (L,), IGNORE_INDEX but for the last seq_length positions
 
 
 def window_blocks(book_T: torch.Tensor, window: int, seq_length: int, max_window: int) -> list[ScoredBlock]:
@@ -90,14 +91,18 @@ class ExtrapolationEval:
         """``books``: token ids, each (>= largest window + settings.scored_tokens_per_book,) (``from_run``)."""
         self.settings = settings
         self.seq_length = model.seq_length
-        self.windows = sorted(settings.windows)
+        # the targets follow from the largest window asked for, so every scheme scores the same tokens; learned
+        # absolute positions end at their table, so their longer windows are skipped (describe() says so)
+        limit = model.max_positions if variant_of_position(model.position).position_table else None
+        self.windows = sorted(w for w in settings.windows if limit is None or w * model.seq_length <= limit)
+        self.skipped_windows = sorted(set(settings.windows) - set(self.windows))
         self.rotary = model.uses_rotary
         self.own_scaling: RopeScalingConfig = model.position.scaling
         self.scalings = [NO_SCALING] + [parse_scaling(text, f"{KEY}.scalings") for text in settings.scalings]
         if not self.rotary:
             self.scalings = [NO_SCALING]  # a scaling needs rotary embeddings; describe() says so
         self.device = device
-        self.max_window = self.windows[-1] * self.seq_length
+        self.max_window = max(settings.windows) * self.seq_length
         scored = scored_per_book(settings, self.seq_length)
         self.books = [book[:self.max_window + scored] for book in books]
         self.scored_tokens = scored * len(self.books)  # per window and scaling
@@ -115,6 +120,9 @@ class ExtrapolationEval:
 
     def describe(self) -> str:
         skipped = "" if self.rotary or not self.settings.scalings else "; scalings skipped (no rotary embedding)"
+        if self.skipped_windows:
+            skipped += (f"; windows {', '.join(f'{w}x' for w in self.skipped_windows)} skipped (learned positions "
+                        "cannot extrapolate)")
         return (f"extrapolation eval every {self.settings.interval} steps: windows "
                 f"{', '.join(f'{w}x' for w in self.windows)} of {self.seq_length}, {self.scored_tokens:,} tokens of "
                 f"{len(self.books)} book(s) from {self.settings.books}"
