@@ -733,19 +733,16 @@ def test_documented_config_keys_exist() -> None:
     assert not missing, f"documented keys that the config does not have: {missing}"
 
 
-def test_throughput_estimate_matches_the_formula() -> None:
+def test_throughput_formula_matches_the_code() -> None:
+    """Section 8's FLOPs per token; its measured speeds and hours: tests/test_run_length.py."""
     from megatron_lite.model.params import analytic_parameter_count
-    from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
+    from megatron_lite.training.metrics import model_flops_per_token
 
     model = config_lib.load(REPO / "configs" / "coca_350m.yml").model
     flops = model_flops_per_token(model)
     matmul_params = analytic_parameter_count(model) - model.padded_vocab_size * model.hidden_size
     expected = [f"6 × {matmul_params:,} + 12 × {model.num_layers} × {model.hidden_size} × {model.seq_length}",
-                f"{flops / 1e9:.2f}"]
-    for gpu in ("A100", "H100"):
-        for mfu in (0.3, 0.5):
-            expected.append(f"{round(mfu * KNOWN_PEAK_TFLOPS[gpu] * 1e12 / flops):,}")
+                f"{flops:,.0f}", f"{flops / 1e9:.2f}"]
     text = DOCS.read_text()
-    assert "estimate" in text.lower()
     for snippet in expected:
-        assert snippet in text, f"{snippet!r} missing: the documented estimate disagrees with the formula"
+        assert snippet in text, f"{snippet!r} missing: the documented formula disagrees with the code"

@@ -20,8 +20,8 @@ import pytest
 from megatron_lite import config as config_lib
 from megatron_lite import results_board
 from megatron_lite.repro import SCHEMES
-from megatron_lite.repro.paper import (ASSUMED_MFU, MfuEstimate, budget_mfu, budget_text, parse_tokens, plan_budget,
-                                       world_size)
+from megatron_lite.repro.paper import MfuEstimate, budget_mfu, budget_text, parse_tokens, plan_budget, world_size
+from megatron_lite.repro.run_length import MEASURED
 from megatron_lite.repro.settings import absolute, load_scheme_configs
 from megatron_lite.repro.training import train_command
 
@@ -64,14 +64,16 @@ def test_budget_of_the_paper_run_on_8_gpus(tmp_path: Path) -> None:
     assert plan["tokens_per_model"] == 762_940 * 131_072 and plan["tokens_total"] == 4 * 762_940 * 131_072
     # 6 x (parameters without the input embedding) + 12 x layers x width x length (docs/run_at_scale.md)
     assert plan["flops_per_token"] == 6 * 353_560_576 + 12 * 24 * 1024 * 512 == 2_272_358_400
-    assert (plan["mfu"], plan["mfu_kind"]) == (ASSUMED_MFU, "assumed")  # no board at tmp_path/board.md
-    for device, peak in (("A100", 312.0), ("H100", 989.0)):
-        hours = plan["tokens_per_model"] * plan["flops_per_token"] / (8 * peak * 1e12 * ASSUMED_MFU) / 3600
-        row = plan["hours"][f"8x{device}"]
-        assert row["hours_per_model"] == pytest.approx(hours, abs=0.01)
-        assert row["hours_total"] == pytest.approx(4 * hours, abs=0.01)
-    assert plan["hours"]["8xA100"]["hours_per_model"] == pytest.approx(63.22, abs=0.01)
-    assert plan["hours"]["8xH100"]["hours_per_model"] == pytest.approx(19.94, abs=0.01)
+    # no board at tmp_path/board.md: the project's own measurement (the users' command on one H200)
+    assert (plan["mfu"], plan["mfu_kind"]) == (MEASURED.mfu, "measured") and "H200" in plan["mfu_source"]
+    for gpus in (1, 8):
+        for device, peak in (("A100", 312.0), ("H100/H200", 989.0)):
+            hours = plan["tokens_per_model"] * plan["flops_per_token"] / (gpus * peak * 1e12 * MEASURED.mfu) / 3600
+            row = plan["hours"][f"{gpus}x{device}"]
+            assert row["hours_per_model"] == pytest.approx(hours, abs=0.01)
+            assert row["hours_total"] == pytest.approx(4 * hours, abs=0.01)
+    assert plan["hours"]["8xA100"]["hours_per_model"] == pytest.approx(93.52, abs=0.01)
+    assert plan["hours"]["8xH100/H200"]["hours_per_model"] == pytest.approx(29.50, abs=0.01)
     # --tokens shortens the two epochs; the global batch, not the GPU count, sets the tokens per step
     short = paper_settings(tmp_path, "--hostfile", str(write_hostfile(tmp_path, 2)), "--tokens", "10B")
     plan = plan_budget(short, config, world_size(short), MfuEstimate(0.5, "given", "--mfu"))
@@ -113,28 +115,41 @@ def test_mfu_measured_by_gpu_check_is_the_slowest_compiled_scheme(tmp_path: Path
     estimate = budget_mfu(paper_settings(tmp_path, "--gpu-check", str(measured)))
     assert (estimate.value, estimate.kind) == (0.46, "measured")
     assert "NVIDIA H100 80GB HBM3" in estimate.source and "coca_slack compiled" in estimate.source
-    # --smoke rows carry no MFU (CPU): nothing measured, so the assumed one
+    # --smoke rows carry no MFU (CPU): nothing measured by the user, so the project's measurement
     smoke = gpu_check_json(tmp_path / "smoke.json", {("rope", "eager"): None})
-    assert budget_mfu(paper_settings(tmp_path, "--gpu-check", str(smoke))).kind == "assumed"
+    assert budget_mfu(paper_settings(tmp_path, "--gpu-check", str(smoke))) == \
+        MfuEstimate(MEASURED.mfu, "measured", MEASURED.describe())
     assert budget_mfu(paper_settings(tmp_path, "--gpu-check", str(measured), "--mfu", "0.3")) == \
         MfuEstimate(0.3, "given", "--mfu")
 
 
-def test_mfu_measured_on_the_board_prefers_a_paper_run_over_a_gpu_check(tmp_path: Path) -> None:
+def test_mfu_the_users_command_measured_in_a_gpu_check_json(tmp_path: Path) -> None:
+    measured = gpu_check_json(tmp_path / "gpu_check.json",
+                              {("rope", "compiled"): 0.38, ("coca_slack", "compiled"): 0.37})
+    results = json.loads(measured.read_text())
+    results["users_command"] = {"rows": [{"command": "deepspeed --num_gpus 1 train.py --config configs/coca_350m.yml",
+                                          "status": "ok", "mfu": 0.2704}]}
+    measured.write_text(json.dumps(results))
+    estimate = budget_mfu(paper_settings(tmp_path, "--gpu-check", str(measured)))
+    assert (estimate.value, estimate.kind) == (0.2704, "measured") and "users' command" in estimate.source
+
+
+def test_mfu_measured_on_the_board_is_a_paper_runs_only(tmp_path: Path) -> None:
     board = results_board.Board(tmp_path / "board.md", "abc1234")
+    own = MfuEstimate(MEASURED.mfu, "measured", MEASURED.describe())
     board.append(results_board.GPU_CHECKS, {"kind": "smoke", "device": "cpu", "run": "gpu_check", "MFU": "9.0%"})
-    assert budget_mfu(paper_settings(tmp_path)).kind == "assumed"  # a smoke row is no measurement
+    assert budget_mfu(paper_settings(tmp_path)) == own  # a smoke row is no measurement
+    # a GPU check's MFU is the bare model's, above training's (37.5% vs 27.0% on one H200): not used
     board.append(results_board.GPU_CHECKS, {"kind": "full", "device": "NVIDIA H100", "run": "gpu_check",
                                             "MFU": "47.5%"})
-    estimate = budget_mfu(paper_settings(tmp_path))
-    assert (estimate.value, estimate.kind) == (0.475, "measured") and "'GPU checks' row" in estimate.source
+    assert budget_mfu(paper_settings(tmp_path)) == own
     board.append(results_board.REPRODUCTIONS, {"kind": "full", "device": "NVIDIA A100-SXM4-80GB",
                                                "run": "reproduce paper-350m", "MFU": "31.0%"})
     board.append(results_board.REPRODUCTIONS, {"kind": "full", "device": "NVIDIA H100", "run": "reproduce gpu-speedrun",
                                                "MFU": "20.0%"})
     estimate = budget_mfu(paper_settings(tmp_path))
     assert estimate.value == pytest.approx(0.31) and "reproduce paper-350m" in estimate.source
-    assert budget_mfu(paper_settings(tmp_path, "--no-board")).kind == "assumed"  # --no-board: not read either
+    assert budget_mfu(paper_settings(tmp_path, "--no-board")) == own  # --no-board: not read either
 
 
 def test_every_model_starts_through_the_deepspeed_launcher(tmp_path: Path) -> None:
@@ -215,7 +230,7 @@ def test_dry_run_of_every_phase_through_the_launcher_and_a_resumed_model(tmp_pat
     before_tables = first.stdout.split("# The CoCA paper's 350M run")[0]  # tables.md, printed last, repeats it
     assert before_tables.count("Budget (dry run") == 1
     assert "= 4 steps x 512 tokens (global batch 16 x length 32) = 2,048 tokens" in first.stdout
-    assert "MFU               40.0%, assumed" in first.stdout
+    assert f"MFU               {MEASURED.mfu:.1%}, measured (the users' command on one NVIDIA H200" in first.stdout
     results = json.loads((out / "results.json").read_text())
     assert list(results["training"]) == list(SCHEMES)
     assert all(info["action"] == "trained" and info["steps"] == 4 and info["tokens"] == 4 * 16 * 32

@@ -116,11 +116,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     paper.add_argument("--master-port", type=int, default=None,
                        help="the launcher's --master_port (default: DeepSpeed's 29500; a dry run: a free port)")
     paper.add_argument("--mfu", type=float, default=None,
-                       help="MFU the budget assumes, a fraction (default: measured by --gpu-check or a results-board "
-                            "row, else an assumed 0.40)")
+                       help="MFU the budget assumes, a fraction (default: measured by --gpu-check or a paper-350m "
+                            "results-board row, else the users' command's on one H200: run_length.MEASURED)")
     paper.add_argument("--gpu-check", type=Path, default=None,
-                       help="a gpu_check.json (tools/gpu_check.py) whose throughput rows give the budget a measured "
-                            "MFU")
+                       help="a gpu_check.json (tools/gpu_check.py) whose users' command (else throughput rows) gives "
+                            "the budget a measured MFU")
     parser.add_argument("--only", default=",".join(PHASES),
                         help="comma list of phases to run (probe: gpu-speedrun only); the earlier ones must be done")
     parser.add_argument("--budget-seconds", type=float, default=SpeedrunBudget.total_seconds,

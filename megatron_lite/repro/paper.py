@@ -7,8 +7,9 @@ place (``--mix``, default configs/data/paper_mix.yml) for one step count that a 
 model is launched through the deepspeed launcher on all local GPUs (``--num-gpus``) or a hostfile.
 
 Before anything runs, the budget is printed and kept in ``OUT/budget.json``: tokens per model and in all,
-and hours on 8 x A100 and 8 x H100 from ``model_flops_per_token`` and ``KNOWN_PEAK_TFLOPS`` at a measured
-MFU (``--gpu-check``'s gpu_check.json or a results-board row) or a given / assumed one, said which.
+and hours on 1 and 8 GPUs (``run_length.PLAN_DEVICES``) from ``model_flops_per_token`` and ``KNOWN_PEAK_TFLOPS``
+at an MFU given (``--mfu``), measured by the user (``--gpu-check``, a paper-350m row on the results board) or
+else the project's own measurement (``run_length.MEASURED``), said which.
 
 ``--dry-run``: the same phases on CPU, 2 ranks through the real launcher, a toy model and a few steps.
 """
@@ -16,7 +17,6 @@ MFU (``--gpu-check``'s gpu_check.json or a results-board row) or a given / assum
 from __future__ import annotations
 
 import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +26,6 @@ from megatron_lite.config import Config
 from megatron_lite.files import write_text_atomic
 from megatron_lite.repro.settings import REPO_ROOT, SCHEMES, ReproSettings, config_path
 
-PAPER_SAMPLE_TOKENS = 50_000_000_000  # the paper (section 4): a ~50B-token sample (configs/data/paper_mix.yml)
-ASSUMED_MFU = 0.40  # with no measurement: the middle of the 30-50% range docs/run_at_scale.md estimates with
-BUDGET_GPUS = 8
-BUDGET_DEVICES = ("A100", "H100")  # keys of KNOWN_PEAK_TFLOPS the budget prices
 DRY_RUN_RANKS = 2
 # The toy model of a dry run: 2 layers, width 32, length 32, fp32, a 384-piece tokenizer; global batch 16 =
 # micro 4 x 2 accumulation x 2 ranks (the accumulation derived, as in the real run); a checkpoint every 2 steps.
@@ -56,6 +52,9 @@ def parse_tokens(text: str) -> int:
 
 def paper_tokens(config: Config) -> int:
     """The paper's tokens per model: ``train.train_epochs`` passes over its ~50B-token sample."""
+    # imported here, not at the top: `python -m megatron_lite.repro.run_length` imports this module first
+    from megatron_lite.repro.run_length import PAPER_SAMPLE_TOKENS
+
     return round(config.train.train_epochs * PAPER_SAMPLE_TOKENS)
 
 
@@ -128,20 +127,26 @@ class MfuEstimate:
 
 
 def mfu_from_gpu_check(path: Path) -> MfuEstimate | None:
-    """The slowest of the four schemes' training-step MFU in a gpu_check.json (compiled rows where there are
-    any): every model must train, so the slowest sets the time. None when no row has an MFU (e.g. --smoke)."""
+    """The MFU of a gpu_check.json: its users' command (train.py through DeepSpeed, what the run is), else the
+    slowest of the four schemes' training-step MFU (compiled rows where there are any): every model must train,
+    so the slowest sets the time. None when no row has an MFU (e.g. --smoke)."""
     try:
         results = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"--gpu-check {path}: not a readable gpu_check.json ({error})") from None
+    device = next((row["value"] for row in results.get("env", {}).get("rows", []) if row.get("item") == "device"),
+                  "unknown device")
+    users = [row for row in results.get("users_command", {}).get("rows", [])
+             if row.get("status") == "ok" and row.get("mfu")]
+    if users:
+        return MfuEstimate(float(users[-1]["mfu"]), "measured",
+                           f"gpu_check {path} on {device}: the users' command, one GPU")
     rows = [row for row in results.get("throughput", {}).get("rows", [])
             if row.get("model") in SCHEMES and row.get("status") == "ok" and row.get("mfu")]
     rows = [row for row in rows if row["mode"] == "compiled"] or rows
     if not rows:
         return None
     slowest = min(rows, key=lambda row: row["mfu"])
-    device = next((row["value"] for row in results.get("env", {}).get("rows", []) if row.get("item") == "device"),
-                  "unknown device")
     return MfuEstimate(float(slowest["mfu"]), "measured",
                        f"gpu_check {path} on {device}: the slowest scheme, {slowest['model']} {slowest['mode']}, "
                        f"micro batch {slowest.get('micro_batch')}, one GPU")
@@ -153,25 +158,27 @@ def _percent(cell: str) -> float | None:
 
 
 def mfu_from_board(path: Path) -> MfuEstimate | None:
-    """The newest real (``full``) row with an MFU on the results board: a paper-350m reproduction's (8-GPU
-    training, the best evidence), else a GPU check's (one GPU, coca_slack). None when there is none."""
+    """The newest real (``full``) paper-350m reproduction row with an MFU on the results board (8-GPU training,
+    the best evidence). None when there is none. A GPU check's MFU column is not used: it is the bare model's at
+    micro batch 64 (37.5% on the H200 whose users' command ran at 27.0%), above what training reaches."""
     from megatron_lite import results_board
 
     if not path.is_file():
         return None
-    for table, wanted in ((results_board.REPRODUCTIONS, "reproduce paper-350m"), (results_board.GPU_CHECKS, None)):
-        measured = [(mfu, row) for row in results_board.read_rows(path, table)
-                    if row.get("kind") == "full" and (wanted is None or row.get("run") == wanted)
-                    and (mfu := _percent(row.get("MFU", ""))) is not None]
-        if measured:
-            mfu, row = measured[-1]
-            return MfuEstimate(mfu, "measured", f"results board {path}, '{table}' row of {row['date']} on "
-                                                f"{row['device']} ({row['run']}, commit {row['commit']})")
-    return None
+    measured = [(mfu, row) for row in results_board.read_rows(path, results_board.REPRODUCTIONS)
+                if row.get("kind") == "full" and row.get("run") == "reproduce paper-350m"
+                and (mfu := _percent(row.get("MFU", ""))) is not None]
+    if not measured:
+        return None
+    mfu, row = measured[-1]
+    return MfuEstimate(mfu, "measured", f"results board {path}, '{results_board.REPRODUCTIONS}' row of {row['date']} "
+                                        f"on {row['device']} ({row['run']}, commit {row['commit']})")
 
 
 def budget_mfu(settings: ReproSettings) -> MfuEstimate:
-    """--mfu, else gpu_check.json's measurement, else the board's, else ASSUMED_MFU."""
+    """--mfu, else gpu_check.json's measurement, else the board's, else the project's (run_length.MEASURED)."""
+    from megatron_lite.repro.run_length import MEASURED
+
     paper = settings.paper
     if paper.mfu is not None:
         return MfuEstimate(paper.mfu, "given", "--mfu")
@@ -180,8 +187,7 @@ def budget_mfu(settings: ReproSettings) -> MfuEstimate:
         measured = mfu_from_board(paper.board)
     if measured is not None:
         return measured
-    return MfuEstimate(ASSUMED_MFU, "assumed", "no --mfu, and no measured MFU in --gpu-check or on the results "
-                                               "board: the middle of the 30-50% range of docs/run_at_scale.md")
+    return MfuEstimate(MEASURED.mfu, "measured", MEASURED.describe())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,8 +197,9 @@ def budget_mfu(settings: ReproSettings) -> MfuEstimate:
 def plan_budget(settings: ReproSettings, config: Config, ranks: int, mfu: MfuEstimate) -> dict[str, Any]:
     """Tokens, steps and hours of the run (every model trains the same steps)."""
     from megatron_lite.model.params import counted_parameter_count
+    from megatron_lite.repro.run_length import PAPER_SAMPLE_TOKENS, RunLength, plan_hours
     from megatron_lite.training.deepspeed_config import resolve_batch_sizes
-    from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
+    from megatron_lite.training.metrics import model_flops_per_token
 
     scheme = settings.schemes[0]
     if settings.paper.tokens is not None:
@@ -206,16 +213,13 @@ def plan_budget(settings: ReproSettings, config: Config, ranks: int, mfu: MfuEst
                   "(section 4)")
     # ValueError (one line) when the global batch does not divide over the ranks
     step_tokens = resolve_batch_sizes(config, ranks).tokens_per_step(config.model.seq_length)
-    train_iters = max(1, math.ceil(requested / step_tokens))
-    per_model = train_iters * step_tokens
+    run = RunLength(requested, step_tokens)
+    train_iters, per_model = run.steps, run.tokens
     models = len(settings.schemes)
     flops = model_flops_per_token(config.model)
-    hours = {}
-    for device in BUDGET_DEVICES:
-        peak = KNOWN_PEAK_TFLOPS[device]
-        seconds = per_model * flops / (BUDGET_GPUS * peak * 1e12 * mfu.value)
-        hours[f"{BUDGET_GPUS}x{device}"] = {"peak_tflops": peak, "hours_per_model": round(seconds / 3600, 2),
-                                            "hours_total": round(models * seconds / 3600, 2)}
+    hours = {name: {"peak_tflops": row["peak_tflops"], "hours_per_model": round(row["hours"], 2),
+                    "hours_total": round(models * row["hours"], 2)}
+             for name, row in plan_hours(per_model, flops, mfu.value).items()}
     return {"schemes": list(settings.schemes), "tokens_requested": requested, "tokens_source": source,
             "ranks": ranks, "global_batch": step_tokens // config.model.seq_length,
             "seq_length": config.model.seq_length, "tokens_per_step": step_tokens, "train_iters": train_iters,
@@ -248,8 +252,8 @@ def budget_text(plan: dict[str, Any]) -> str:
         lines.append(f"  {name.replace('x', ' x ', 1):<16}  {row['hours_per_model']:,.1f} h per model, "
                      f"{row['hours_total']:,.1f} h in all ({row['peak_tflops']:g} TFLOP/s bf16 dense peak each, "
                      "KNOWN_PEAK_TFLOPS)")
-    lines.append(f"  hours = tokens x FLOPs per token / ({BUDGET_GPUS} x peak x MFU); data preparation, start-up "
-                 "and evaluation not included")
+    lines.append("  hours = tokens x FLOPs per token / (GPUs x peak x MFU); data preparation, start-up and "
+                 "evaluation not included")
     return "\n".join(lines)
 
 
