@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_lite.config.schema import Config, MixConfig, ModelConfig
+from megatron_lite.config.scaling_spec import parse_scaling
 from megatron_lite.console import notice
 
 BASE_KEY = "base"  # top-level key of a config or mix file naming the file it inherits from
@@ -204,8 +205,6 @@ def _validate_sequence_parallel(config: Config) -> None:
 
 def _validate_extrapolation_eval(config: Config) -> None:
     """train.extrapolation_eval.*, checked even while it is off (interval 0), so turning it on cannot fail late."""
-    from megatron_lite.eval.scaling import parse_scaling  # imports the config package: not at module level
-
     section, key = config.train.extrapolation_eval, "train.extrapolation_eval"
     _require(section.interval >= 0, f"{key}.interval={section.interval}: must be >= 0 (0 turns it off)")
     for name in ("max_books", "batch_size"):

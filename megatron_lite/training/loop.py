@@ -29,6 +29,7 @@ from megatron_lite.training.data import TrainingData, prepare_training_data
 from megatron_lite.training.deepspeed_config import BatchSizes, resolve_batch_sizes
 from megatron_lite.training.distributed import DistributedInfo, barrier, init_distributed
 from megatron_lite.training.engine import StagedEngine, compile_announcement, resumes_weights_only, start_engine
+from megatron_lite.training.exit_codes import exit_code_for
 from megatron_lite.training.extrapolation import ExtrapolationEval
 from megatron_lite.training.identity import TokenizerChange, tokenizer_change
 from megatron_lite.training.reporting import StepReport
@@ -40,10 +41,6 @@ from megatron_lite.training.stages import Stage, plan_stages
 from megatron_lite.training.step import micro_batches, take_step
 from megatron_lite.training.stopping import CONTINUE, Action, Decision, StepEnd, StopPolicies, StopRequest
 
-EXIT_OK = 0
-EXIT_NONFINITE = 3
-EXIT_FAILED_SAVES = 4
-EXIT_SIGNAL_BASE = 128  # a one-process run stopped by signal N exits 128 + N, as a shell reports it
 
 
 @dataclass
@@ -67,13 +64,6 @@ class TrainingResult:
     def exit_code(self) -> int:
         return exit_code_for(self.stopped_by, self.exit_signal)
 
-
-def exit_code_for(stopped_by: str, signal_name: str | None = None) -> int:
-    """train.py's exit code as one process for a run that ended so: 128 + the signal's number, 3, 4 or 0."""
-    if signal_name is not None:
-        return EXIT_SIGNAL_BASE + signal.Signals[signal_name].value
-    return {"nonfinite": EXIT_NONFINITE, "failed_saves": EXIT_FAILED_SAVES,
-            "final_save_failed": EXIT_FAILED_SAVES}.get(stopped_by, EXIT_OK)
 
 
 def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iters: int | None = None,

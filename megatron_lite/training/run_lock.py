@@ -244,7 +244,7 @@ def run_ending(run_dir: Path) -> tuple[str, int]:
     checkpoint a resume starts from; and train.py's exit code for that ending as one process (0, 3, 4, 130,
     143; ``EXIT_NO_ENDING`` without a closing row)."""
     from megatron_lite import checkpoint_dirs
-    from megatron_lite.training.loop import exit_code_for
+    from megatron_lite.training.exit_codes import exit_code_for
     from megatron_lite.training.metrics import read_metrics
 
     path = run_dir / "metrics.jsonl"
