@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -101,15 +102,22 @@ def _torch_version(python: Path, env: dict[str, str]) -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
+@pytest.fixture
+def venv(tmp_path: Path) -> Iterator[Path]:
+    """A fresh venv, deleted afterwards: with torch's CUDA wheels it holds ~5 GB."""
+    path = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=300)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.slow
-def test_a_venv_with_another_torch_follows_the_documented_install(tmp_path: Path) -> None:
+def test_a_venv_with_another_torch_follows_the_documented_install(tmp_path: Path, venv: Path) -> None:
     """A fresh venv with torch 2.11.0 (a CUDA build on PyPI) installed first: the README's command for a
     machine with its own torch keeps it, and the model tests pass there (on CPU)."""
     env = {key: value for key, value in os.environ.items()
            if key not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "PIP_REQUIRE_VIRTUALENV")}
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"
     version = oldest_torch()
     offered, why = _index_offers(python, version, env)
