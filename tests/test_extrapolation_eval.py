@@ -166,7 +166,8 @@ def test_train_py_logs_the_curve_and_trains_the_same_steps(training_corpus, tmp_
     run_train(plain, tmp_path / "plain")
     output = run_train(with_curve, tmp_path / "curve").stdout
 
-    assert train_losses(tmp_path / "curve") == train_losses(tmp_path / "plain")  # the evaluation draws no random numbers and changes no weight
+    # the evaluation draws no random numbers and changes no weight
+    assert train_losses(tmp_path / "curve") == train_losses(tmp_path / "plain")
     rows = [row for row in metrics(tmp_path / "curve") if "extrapolation_ppl_x1" in row]
     assert [row["step"] for row in rows] == [0, 4, 8]
     assert [row["tokens_seen"] for row in rows] == [0, 4 * 8 * 32, 8 * 8 * 32]  # 8 samples of 32 tokens per step

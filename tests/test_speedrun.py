@@ -193,5 +193,6 @@ def test_one_call_script_parses_and_names_its_arguments() -> None:
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2
     assert usage.stderr.startswith("usage: bash tools/speedrun_one_call.sh WHEELS_DIR BUNDLE OUT")
-    missing = subprocess.run(["bash", str(script), "-", "/nonexistent.tar.xz", "/tmp/x"], capture_output=True, text=True)
+    missing = subprocess.run(["bash", str(script), "-", "/nonexistent.tar.xz", "/tmp/x"], capture_output=True,
+                             text=True)
     assert missing.returncode == 2 and missing.stderr.strip() == "error: BUNDLE /nonexistent.tar.xz: no such file"

@@ -69,7 +69,8 @@ def window_blocks(book_T: torch.Tensor, window: int, seq_length: int, max_window
     """The forwards that score ``book_T``'s targets (positions max_window .. end, in blocks of ``seq_length``)
     through windows of ``window`` tokens."""
     blocks = []
-    for block_end in range(max_window + seq_length, book_T.shape[0] + 1, seq_length):  # one past the block's last target
+    # block_end: one past the block's last target
+    for block_end in range(max_window + seq_length, book_T.shape[0] + 1, seq_length):
         start = block_end - 1 - window  # the window's first input token
         input_ids_T = book_T[start:block_end - 1]
         labels_T = book_T[start + 1:block_end].clone()

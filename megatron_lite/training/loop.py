@@ -42,7 +42,6 @@ from megatron_lite.training.step import micro_batches, take_step
 from megatron_lite.training.stopping import CONTINUE, Action, Decision, StepEnd, StopPolicies, StopRequest
 
 
-
 @dataclass
 class TrainingResult:
     run_dir: Path
@@ -63,7 +62,6 @@ class TrainingResult:
     @property
     def exit_code(self) -> int:
         return exit_code_for(self.stopped_by, self.exit_signal)
-
 
 
 def run_training(config: Config, run_dir: Path, resume: str = "auto", train_iters: int | None = None,
@@ -87,7 +85,8 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     if stages:
         data = dataclasses.replace(data, steps_source=f"the sum of {len(stages)} train.stages")
     config = _with_train_iters(config, data.total_steps)  # the run's copy, so config.yml and checkpoints record them
-    extrapolation = (ExtrapolationEval.from_run(config, data.tokenizer_path, dist_info.device)  # book errors before DeepSpeed
+    # the held-out books read now: a missing or short one stops the run before DeepSpeed starts
+    extrapolation = (ExtrapolationEval.from_run(config, data.tokenizer_path, dist_info.device)
                      if config.train.extrapolation_eval.interval else None)
     if dist_info.is_main:
         config_lib.save(config, run_dir / checkpoint_dirs.CONFIG_FILE)
