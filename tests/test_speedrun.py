@@ -196,3 +196,16 @@ def test_one_call_script_parses_and_names_its_arguments() -> None:
     missing = subprocess.run(["bash", str(script), "-", "/nonexistent.tar.xz", "/tmp/x"], capture_output=True,
                              text=True)
     assert missing.returncode == 2 and missing.stderr.strip() == "error: BUNDLE /nonexistent.tar.xz: no such file"
+
+
+def test_the_documented_gpu_plan_is_the_codes(tmp_path: Path) -> None:
+    """docs/reproduction.md quotes the plan line the tool prints first; the reference and the budget make it."""
+    from megatron_lite.repro.speedrun import reference_plan
+
+    settings = reproduce.settings_from_args(reproduce.parse_args(
+        ["--profile", "gpu-speedrun", "--bundle", str(tmp_path / "b.tar.xz"), "--out", str(tmp_path / "out")]))
+    plan = reference_plan(settings)
+    expected = (f"{plan['train_iters']:,} steps = {plan['tokens_per_model'] / 1e6:,.1f}M tokens each, "
+                f"{plan['train_seconds_per_model']} s of training per model, about {plan['expected_minutes']} min")
+    docs = (REPO / "docs/reproduction.md").read_text()
+    assert expected in docs and f"{plan['slowest_tokens_per_sec']:,.0f} tokens/s" in docs, expected
