@@ -107,6 +107,10 @@ class ExtrapolationEval:
         scored = scored_per_book(settings, self.seq_length)
         self.books = [book[:self.max_window + scored] for book in books]
         self.scored_tokens = scored * len(self.books)  # per window and scaling
+        # each window's forwards, built once: every evaluation scores the same blocks
+        self.blocks = {multiple: [block for book in self.books for block in
+                                  window_blocks(book, multiple * self.seq_length, self.seq_length, self.max_window)]
+                       for multiple in self.windows}
         self.warned_over_budget = False
 
     @classmethod
@@ -145,7 +149,7 @@ class ExtrapolationEval:
                     if scaling is not NO_SCALING:
                         module.set_rope_scaling(scaling.config())
                     for multiple in self.windows:
-                        row[ppl_key(multiple, scaling)] = self._perplexity(engine, multiple * self.seq_length)
+                        row[ppl_key(multiple, scaling)] = self._perplexity(engine, self.blocks[multiple])
         finally:
             if len(self.scalings) > 1:
                 module.set_rope_scaling(self.own_scaling)
@@ -158,9 +162,7 @@ class ExtrapolationEval:
         row["extrapolation_seconds"] = time.perf_counter() - start
         return row
 
-    def _perplexity(self, engine: Any, window: int) -> float:
-        blocks = [block for book in self.books
-                  for block in window_blocks(book, window, self.seq_length, self.max_window)]
+    def _perplexity(self, engine: Any, blocks: list[ScoredBlock]) -> float:
         nll_sum = 0.0
         for first in range(0, len(blocks), self.settings.batch_size):
             batch = blocks[first:first + self.settings.batch_size]
