@@ -158,16 +158,24 @@ def curve_settings(books: Path) -> dict[str, object]:
 
 @pytest.mark.slow
 def test_train_py_logs_the_curve_and_trains_the_same_steps(training_corpus, tmp_path: Path) -> None:
+    """The curve, and train.profile (tests/test_profiling.py) through train.py in the same run."""
     mix, cache = training_corpus
     books = write_books(tmp_path / "books")
     plain = write_config(tmp_path / "plain.yml", tiny_train_config(mix, cache, eval_interval=0, save_interval=0))
     with_curve = write_config(tmp_path / "curve.yml", tiny_train_config(
-        mix, cache, eval_interval=0, save_interval=0, extrapolation_eval=curve_settings(books)))
+        mix, cache, eval_interval=0, save_interval=0, extrapolation_eval=curve_settings(books),
+        profile={"start_step": 3, "steps": 2}))
     run_train(plain, tmp_path / "plain")
     output = run_train(with_curve, tmp_path / "curve").stdout
 
-    # the evaluation draws no random numbers and changes no weight
+    # neither the evaluation nor the profiler draws random numbers or changes a weight
     assert train_losses(tmp_path / "curve") == train_losses(tmp_path / "plain")
+    profile = tmp_path / "curve" / "profile"
+    assert f"profiling steps 3-4 on rank 0 into {profile}" in output
+    assert re.search(r"profiled steps 3-4: [\d.]+ s wall; CPU self time: .*gemm \d+%", output)
+    assert sorted(path.name for path in profile.iterdir()) == [
+        "steps_3-4_rank0.json", "steps_3-4_rank0.trace.json.gz", "steps_3-4_rank0.txt"]
+    assert "aten::mm" in (profile / "steps_3-4_rank0.txt").read_text()
     rows = [row for row in metrics(tmp_path / "curve") if "extrapolation_ppl_x1" in row]
     assert [row["step"] for row in rows] == [0, 4, 8]
     assert [row["tokens_seen"] for row in rows] == [0, 4 * 8 * 32, 8 * 8 * 32]  # 8 samples of 32 tokens per step

@@ -200,6 +200,8 @@ def test_users_command_reads_metrics_and_warnings(tmp_path: Path) -> None:
     assert summary["tokens_per_sec"] == pytest.approx(7 / (3 / 100_000 + 4 / 125_000))
     assert summary["mfu"] == pytest.approx(0.25 / 125_000 * summary["tokens_per_sec"])
     assert (summary["steady_steps"], summary["peak_memory_gb"], summary["last_step"]) == ("2-8", 14.6, 8)
+    profiled = [*rows, {"step": 9, "loss": 8.2, "tokens_per_sec": 90_000.0, "mfu": 0.18, "memory_gb": 15.0}]
+    assert users_command.summarise_metrics(profiled, seq_length=512, through_step=8) == summary
     log = ("[2026-11-26 21:12:48,568] [WARNING] [runner.py:214:fetch_hostfile] Unable to find hostfile\n"
            "VENV/lib/torch/distributed/c10d_logger.py:83: UserWarning: barrier(): using the device\n"
            "  return func(*args, **kwargs)\n"
@@ -215,14 +217,28 @@ def test_users_command_reads_metrics_and_warnings(tmp_path: Path) -> None:
         "(message lost) warnings.warn("]
 
 
+def test_users_command_row_carries_the_profiled_step(tmp_path: Path) -> None:
+    from megatron_lite.training.profiling import ProfileSummary
+
+    assert users_command.profile_fields(tmp_path) == {}  # no profile written: no fields
+    summary = ProfileSummary(21, 21, 0, "cuda", wall_s=4.0, busy_s=3.0, by_kind_s={"gemm": 2.0, "other": 1.0})
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "steps_21_rank0.json").write_text(json.dumps(summary.__dict__))
+    fields = users_command.profile_fields(tmp_path)
+    assert fields["gpu_busy"] == 0.75
+    assert fields["profile"] == "profiled step 21: GPU busy 75% of 4.00 s; kernel time: gemm 67%, other 33%"
+    assert fields["profile_table"] == str(tmp_path / "profile" / "steps_21_rank0.txt")
+
+
 def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
     arguments = users_command.users_arguments(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "run",
                                               tmp_path / "cache", master_port=29555)
     assert arguments[1:6] == ["-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port"]
     assert arguments[arguments.index("--config") + 1] == str(REPO / "configs/coca_350m.yml")
     sets = [arguments[index + 1] for index, word in enumerate(arguments) if word == "--set"]
-    assert {'data.mix="/d/mix.yml"', "model.vocab_size=16000", "train.train_iters=20",
-            "train.log_interval=4", "train.eval_interval=0"} <= set(sets)
+    # 20 measured steps, then one under the profiler
+    assert {'data.mix="/d/mix.yml"', "model.vocab_size=16000", "train.train_iters=21", "train.log_interval=4",
+            "train.eval_interval=0", "train.profile.start_step=21", "train.profile.steps=1"} <= set(sets)
     script = REPO / "tools/gpu_one_call.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)

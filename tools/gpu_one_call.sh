@@ -6,7 +6,8 @@
 # WHEELS_DIR  the wheels of tools/fetch_wheels.py (installed into /tmp/site); '-' installs nothing
 # BUNDLE      a data bundle of tools/build_data_bundle.py (BUNDLE.sha256 beside it): the users' command's data
 # OUT         receives log.txt (everything printed), gpu_check.md/.json, users_command_log.txt,
-#             users_command_metrics.jsonl and results_board.md (this check's results board row)
+#             users_command_metrics.jsonl, users_command_profile_* (its profiled step: table, summary, trace)
+#             and results_board.md (this check's results board row)
 #
 # Phases, each under its own timeout so that a cut run keeps what the earlier ones measured:
 #   P0  wheels, versions, the bundle checked against its sha256 and unpacked (megatron_lite.bench.users_command)
@@ -53,6 +54,9 @@ done
 [ -f "$WORK/check/users_command/log.txt" ] && cp "$WORK/check/users_command/log.txt" "$OUT/users_command_log.txt"
 [ -f "$WORK/check/users_command/run/metrics.jsonl" ] && \
   cp "$WORK/check/users_command/run/metrics.jsonl" "$OUT/users_command_metrics.jsonl"
+for profiled in "$WORK"/check/users_command/run/profile/steps_*; do  # the profiled step: table, summary, trace
+  [ -f "$profiled" ] && cp "$profiled" "$OUT/users_command_profile_$(basename "$profiled")"
+done
 if [ "$CHECK_RC" -ne 0 ] && [ -f "$WORK/check/gpu_check.json" ]; then
   # shellcheck disable=SC2086
   timeout 60 "$PY" tools/gpu_check.py --quick --board-only --out "$WORK/check" --board "$BOARD" $DATA_ARGS "$@"

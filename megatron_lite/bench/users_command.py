@@ -2,9 +2,10 @@
 
 ``deepspeed --num_gpus 1 train.py --config configs/coca_350m.yml`` (the paper's 350M CoCA-slack model, ZeRO 1,
 bf16, compiled on CUDA) for ``USERS_ITERS`` steps on given data (a mix, its tokenizer and vocabulary: a data
-bundle's shards, ``mix_from_bundle``), logging every ``USERS_LOG_INTERVAL`` steps. Its metrics.jsonl gives the
-steady tokens/s and MFU (the first logged row, step 1, holds the compile and is left out), the first step's
-seconds and the peak memory; its log gives the warnings it printed. The compile cache starts empty (a fresh
+bundle's shards, ``mix_from_bundle``), logging every ``USERS_LOG_INTERVAL`` steps, then ``USERS_PROFILED_STEPS``
+more under ``train.profile``. Its metrics.jsonl gives the steady tokens/s and MFU (the first logged row, step 1,
+holds the compile and is left out; the profiled steps too), the first step's seconds and the peak memory; its log
+gives the warnings it printed; the profile (run/profile/) how busy the GPU was in the users' step and on what. The compile cache starts empty (a fresh
 ``TORCHINDUCTOR_CACHE_DIR``), so the first step is what a user's first run on a new machine sees.
 
 On a bare node, ``python -m megatron_lite.bench.users_command BUNDLE DEST`` unpacks and verifies a data bundle
@@ -32,6 +33,7 @@ REPO = Path(__file__).resolve().parents[2]
 USERS_CONFIG = "configs/coca_350m.yml"
 USERS_ITERS = 20
 USERS_LOG_INTERVAL = 4
+USERS_PROFILED_STEPS = 1  # after the measured steps: 16 micro batches on one GPU, a trace of a few MB
 SHOWN_COMMAND = f"deepspeed --num_gpus 1 train.py --config {USERS_CONFIG}"
 MAX_LISTED_WARNINGS, WARNING_CHARS = 8, 160
 # A Python warning ("path.py:83: UserWarning: ..."), a c10 TORCH_WARN line ("[W1126 21:13:03.258 File.cpp:1]")
@@ -46,13 +48,16 @@ Progress = Callable[[str], None]
 
 def users_arguments(mix: Path, tokenizer: Path, vocab_size: int, run_dir: Path, cache_dir: Path,
                     iters: int = USERS_ITERS, log_interval: int = USERS_LOG_INTERVAL,
-                    master_port: int | None = None) -> list[str]:
+                    master_port: int | None = None, profiled: int = USERS_PROFILED_STEPS) -> list[str]:
     """The deepspeed launcher's command line (this interpreter's ``deepspeed.launcher.runner``, as the
-    ``deepspeed`` script runs it): the paper config as it is, pointed at the data, for ``iters`` steps."""
+    ``deepspeed`` script runs it): the paper config as it is, pointed at the data, for ``iters`` measured steps
+    and ``profiled`` more under train.profile."""
     sets = [f"data.mix={json.dumps(str(mix))}", f"data.cache_dir={json.dumps(str(cache_dir))}",
             f"data.tokenizer.model={json.dumps(str(tokenizer))}", f"model.vocab_size={vocab_size}",
-            "train.train_epochs=1", f"train.train_iters={iters}", f"train.log_interval={log_interval}",
+            "train.train_epochs=1", f"train.train_iters={iters + profiled}", f"train.log_interval={log_interval}",
             "train.eval_interval=0", "train.save_interval=0", "train.wandb.mode=disabled"]
+    if profiled:
+        sets += [f"train.profile.start_step={iters + 1}", f"train.profile.steps={profiled}"]
     port = ["--master_port", str(master_port)] if master_port else []
     arguments = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", *port,
                  str(REPO / "train.py"), "--config", str(REPO / USERS_CONFIG), "--run-dir", str(run_dir),
@@ -101,11 +106,13 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def summarise_metrics(rows: Sequence[dict[str, Any]], seq_length: int) -> dict[str, Any]:
+def summarise_metrics(rows: Sequence[dict[str, Any]], seq_length: int,
+                      through_step: int | None = None) -> dict[str, Any]:
     """Steady tokens/s, TFLOP/s and MFU over the training rows after the first logged one (time-weighted:
     total tokens over total time), the first step's seconds, peak memory (GB, as train.py logs it), the first
-    and last logged loss and the last step."""
-    train = [row for row in rows if row.get("tokens_per_sec") and "step" in row]
+    and last logged loss and the last step; rows past ``through_step`` (the profiled steps) left out."""
+    train = [row for row in rows if row.get("tokens_per_sec") and "step" in row
+             and (through_step is None or row["step"] <= through_step)]
     summary: dict[str, Any] = {}
     if not train:
         return summary
@@ -124,7 +131,8 @@ def summarise_metrics(rows: Sequence[dict[str, Any]], seq_length: int) -> dict[s
         for key in ("tflops", "mfu"):
             if last.get(key) is not None:  # both proportional to tokens/s within a run
                 summary[key] = last[key] / last["tokens_per_sec"] * tokens_per_sec
-    peaks = [row["memory_gb"] for row in rows if row.get("memory_gb") is not None]
+    peaks = [row["memory_gb"] for row in rows if row.get("memory_gb") is not None
+             and (through_step is None or row.get("step", 0) <= through_step)]
     if peaks:
         summary["peak_memory_gb"] = max(peaks)
     losses = [row["loss"] for row in train if row.get("loss") is not None]
@@ -132,6 +140,24 @@ def summarise_metrics(rows: Sequence[dict[str, Any]], seq_length: int) -> dict[s
         summary.update(loss_first=losses[0], loss_last=losses[-1])
     summary["last_step"] = train[-1]["step"]
     return summary
+
+
+def profile_fields(run_dir: Path) -> dict[str, Any]:
+    """The profiled step's summary (megatron_lite.training.profiling) as row fields: the GPU's busy share of the
+    step's wall time, and the summary line; nothing when the run wrote none."""
+    from megatron_lite.training.profiling import PROFILE_DIR, ProfileSummary
+
+    found = sorted((run_dir / PROFILE_DIR).glob("steps_*_rank0.json"))
+    if not found:
+        return {}
+    try:
+        summary = ProfileSummary(**json.loads(found[-1].read_text()))
+    except (OSError, TypeError, ValueError):
+        return {}
+    fields: dict[str, Any] = {"profile": summary.line(), "profile_table": str(found[-1].with_suffix(".txt"))}
+    if summary.busy_s is not None and summary.wall_s > 0:
+        fields["gpu_busy"] = summary.busy_s / summary.wall_s
+    return fields
 
 
 def _seq_length(run_dir: Path) -> int:
@@ -208,9 +234,10 @@ def run_users_command(mix: Path | None, tokenizer: Path | None, vocab_size: int 
     seconds = time.perf_counter() - start
     log_text = log_path.read_text(errors="replace")
     warnings_found = find_warnings(log_text)
-    summary = summarise_metrics(read_metrics(run_dir / "metrics.jsonl"), _seq_length(run_dir))
+    summary = summarise_metrics(read_metrics(run_dir / "metrics.jsonl"), _seq_length(run_dir), through_step=iters)
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the final save: GBs nobody reads
-    row.update(exit_code=process.returncode, wall_s=seconds, **summary, warnings=len(warnings_found),
+    row.update(exit_code=process.returncode, wall_s=seconds, **summary, **profile_fields(run_dir),
+               warnings=len(warnings_found),
                warning_lines=" ; ".join(warnings_found[:MAX_LISTED_WARNINGS])
                + (f" ; (+{len(warnings_found) - MAX_LISTED_WARNINGS} more)"
                   if len(warnings_found) > MAX_LISTED_WARNINGS else ""),

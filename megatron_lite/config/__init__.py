@@ -27,6 +27,7 @@ from megatron_lite.config.schema import (
     Config,
     DataConfig,
     ExtrapolationEvalConfig,
+    ProfileConfig,
     FaultInjectionConfig,
     GroupConfig,
     MixConfig,
@@ -41,7 +42,7 @@ from megatron_lite.config.schema import (
 
 __all__ = [
     "BACKENDS", "CONSTRAINTS", "ROTARY_SCHEMES", "SCALING_TYPES", "SCHEMES",
-    "AttentionConfig", "Config", "DataConfig", "ExtrapolationEvalConfig", "FaultInjectionConfig", "GroupConfig",
+    "AttentionConfig", "Config", "DataConfig", "ExtrapolationEvalConfig", "FaultInjectionConfig", "GroupConfig", "ProfileConfig",
     "MixConfig", "ModelConfig", "PositionConfig", "RopeScalingConfig", "SourceConfig", "TokenizerConfig",
     "TrainConfig", "WandbConfig",
     "apply_overrides", "documentation", "documentation_page", "from_dict", "load", "parse_dataclass",

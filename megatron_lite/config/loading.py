@@ -176,6 +176,7 @@ def _validate_train(config: Config) -> None:
     _require(train.zero_stage in (0, 1, 2, 3), f"train.zero_stage={train.zero_stage}: must be 0, 1, 2 or 3")
     _validate_sequence_parallel(config)
     _validate_extrapolation_eval(config)
+    _validate_profile(config)
     _require(train.lr > 0, f"train.lr={train.lr}: must be positive")
     _require(0 <= train.min_lr <= train.lr, f"train.min_lr={train.min_lr}: must be in [0, train.lr={train.lr}]")
     _require(0 <= train.warmup_start_lr <= train.lr,
@@ -219,6 +220,16 @@ def _validate_extrapolation_eval(config: Config) -> None:
     for index, text in enumerate(section.scalings):
         spec = parse_scaling(text, f"{key}.scalings[{index}]")
         _require(spec.type != "none", f"{key}.scalings[{index}]=none: the model's own scaling is always evaluated")
+
+
+def _validate_profile(config: Config) -> None:
+    """train.profile.*, checked while it is off too."""
+    section, key = config.train.profile, "train.profile"
+    _require(section.start_step >= 0, f"{key}.start_step={section.start_step}: must be >= 0 (0 turns it off)")
+    _require(section.steps > 0, f"{key}.steps={section.steps}: must be positive")
+    _require(section.row_limit > 0, f"{key}.row_limit={section.row_limit}: must be positive")
+    _require(bool(section.ranks) and all(rank >= 0 for rank in section.ranks),
+             f"{key}.ranks={section.ranks}: name at least one global rank (>= 0)")
 
 
 def _validate_stages(config: Config) -> None:

@@ -360,6 +360,21 @@ class ExtrapolationEvalConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """``torch.profiler`` over a few training steps (``train.profile.*``), as GPT-NeoX's ``profile`` and
+    torchtitan's ``[profiling]``: a trace for Perfetto / chrome://tracing and a table of where the time went."""
+
+    start_step: int = _doc(
+        "First profiled optimizer step (1-based); 0 turns the profiler off. Pick a step after the first (which "
+        "holds the compile) and away from evaluations and saves.", default=0)
+    steps: int = _doc("Optimizer steps profiled, from start_step on (each with all its micro batches).", default=2)
+    ranks: list[int] = _doc("Global ranks that profile (each writes its own files).", default_factory=lambda: [0])
+    record_shapes: bool = _doc("Record operator input shapes (larger trace, more profiler overhead).",
+                               default=False)
+    row_limit: int = _doc("Operators listed in the table.", default=40)
+
+
+@dataclass
 class StageConfig:
     """One stage of a staged fine-tune (``train.stages``): which parameters train, for how many steps."""
 
@@ -497,6 +512,9 @@ class TrainConfig:
     extrapolation_eval: ExtrapolationEvalConfig = _doc(
         "Long-context perplexity while training; see train.extrapolation_eval.* (off by default).",
         default_factory=ExtrapolationEvalConfig)
+    profile: ProfileConfig = _doc(
+        "torch.profiler over a few steps into <run dir>/profile/; see train.profile.* (off by default).",
+        default_factory=ProfileConfig)
     fault_injection: FaultInjectionConfig = _doc(
         "Deliberate failures for tests; see train.fault_injection.*.", default_factory=FaultInjectionConfig
     )

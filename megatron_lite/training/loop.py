@@ -32,6 +32,7 @@ from megatron_lite.training.engine import StagedEngine, compile_announcement, re
 from megatron_lite.training.exit_codes import exit_code_for
 from megatron_lite.training.extrapolation import ExtrapolationEval
 from megatron_lite.training.identity import TokenizerChange, tokenizer_change
+from megatron_lite.training.profiling import StepProfiler, describe_window
 from megatron_lite.training.reporting import StepReport
 from megatron_lite.training.run_lock import hold_run_dir
 from megatron_lite.training.sample_record import SampleIndexRecorder
@@ -111,6 +112,8 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
         _announce(config, batch_sizes, data, staged, run_dir, resume_dir, state, logger.dropped_rows)
         if extrapolation is not None:
             console(extrapolation.describe())
+        if config.train.profile.start_step:
+            console(describe_window(config.train.profile, state.step, data.total_steps, run_dir))
     if changed_tokenizer is not None:
         logger.log(changed_tokenizer.metrics_row(state.step))
         if dist_info.is_main:
@@ -129,7 +132,8 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     if resume_dir is not None:
         restore_rng_state(resume_dir, dist_info, config.seed, state.step)
     decision = CONTINUE
-    with StopRequest() as stop, report.closed_on_error():
+    profiler = StepProfiler(train.profile, run_dir, dist_info.rank, dist_info.device)
+    with StopRequest() as stop, report.closed_on_error(), profiler:
         if extrapolation is not None and state.step == 0 and train.extrapolation_eval.at_start:
             side_work_start = time.perf_counter()
             report.extrapolation(extrapolation, staged.engine, state)
@@ -138,6 +142,7 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
             lr = run_learning_rate(state.step, data.total_steps, train)
             batches = micro_batches(iterator, batch_sizes.gradient_accumulation_steps)
             samples.record(state.step + 1, batches)
+            profiler.before_step(state.step + 1)
             outcome = take_step(staged, batches, lr,
                                 inject_nonfinite=(state.step + 1) in injected,
                                 signalled_here=stop.signal_name is not None, logged=report.logs(state.step + 1))
@@ -153,6 +158,7 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
                 os.kill(os.getpid(), signal.SIGKILL)
             end = policies.step_end(state.step, stop.received(on_any_rank=outcome.signalled))
             side_work_start = time.perf_counter()
+            profiler.after_step(state.step)  # the window's last step: its files written, not training time
             if valid_loader is not None and train.eval_interval and (state.step % train.eval_interval == 0 or end.last):
                 result.val_loss = report.validation(staged.engine, valid_loader, state.step)
             if extrapolation is not None and extrapolation.due(state.step, end.last):
