@@ -312,7 +312,7 @@ def test_ci_runs_the_readme_command_with_the_lock() -> None:
     command = readme_test_command()
     assert ci_command() == command, ".ci/run must run exactly the README's test command"
     assert re.search(r"pip install .*-c constraints\.txt", command), command
-    assert command.endswith("python -m pytest -q")
+    assert command.endswith("python -m pytest -q -n 2 --dist loadfile")
 
 
 def test_image_and_ci_pin_the_same_versions() -> None:
