@@ -29,7 +29,8 @@ from typing import Any
 
 from megatron_lite import results_board
 from megatron_lite.bench.gpu_check import (LOSS_GEMMS, QUICK_SECTIONS, SECTIONS, CheckSettings, load_results,
-                                           parse_loss_gemms, parse_schemes, parse_sections, run_check)
+                                           parse_loss_gemms, parse_micro_batches, parse_schemes, parse_sections,
+                                           run_check)
 from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.model.compile import COMPILE_MODES
 
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mix", type=Path, default=None, help="users_command: the data mix file")
     parser.add_argument("--tokenizer", type=Path, default=None, help="users_command: the mix's tokenizer model")
     parser.add_argument("--vocab-size", type=int, default=None, help="users_command: model.vocab_size for it")
+    parser.add_argument("--users-micro-batch", default=None, metavar="N,...",
+                        help="users_command: one run per micro batch (the global batch stays the config's 256; "
+                             "default: the config's 16)")
     parser.add_argument("--board-only", action="store_true",
                         help="measure nothing: append the board row for the sections OUT already holds")
     results_board.add_board_arguments(parser)
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                              micro_batch=args.micro_batch, max_batch=args.max_batch, compile_mode=args.compile_mode,
                              loss_gemms=parse_loss_gemms(args.loss_gemm),
                              mix=args.mix.resolve() if args.mix else None,
-                             tokenizer=args.tokenizer.resolve() if args.tokenizer else None, vocab_size=args.vocab_size)
+                             tokenizer=args.tokenizer.resolve() if args.tokenizer else None, vocab_size=args.vocab_size,
+                             users_micro_batches=parse_micro_batches(args.users_micro_batch))
     board = results_board.board_from_args(args)
     if args.board_only:
         if board is None:

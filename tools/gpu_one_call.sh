@@ -51,11 +51,18 @@ echo "[t=$(el)] P1 done: gpu_check exited $CHECK_RC (timeout ${CHECK_S} s)"
 for name in gpu_check.json gpu_check.md; do
   [ -f "$WORK/check/$name" ] && cp "$WORK/check/$name" "$OUT/$name"
 done
-[ -f "$WORK/check/users_command/log.txt" ] && cp "$WORK/check/users_command/log.txt" "$OUT/users_command_log.txt"
-[ -f "$WORK/check/users_command/run/metrics.jsonl" ] && \
-  cp "$WORK/check/users_command/run/metrics.jsonl" "$OUT/users_command_metrics.jsonl"
-for profiled in "$WORK"/check/users_command/run/profile/steps_*; do  # the profiled step: table, summary, trace
-  [ -f "$profiled" ] && cp "$profiled" "$OUT/users_command_profile_$(basename "$profiled")"
+# the users' command: each run's log, metrics and profiled step (run/, or run_micro_batch_N/ with
+# --users-micro-batch), named users_command[_micro_batch_N]_...
+for log in "$WORK"/check/users_command/log*.txt; do
+  [ -f "$log" ] && cp "$log" "$OUT/users_command_$(basename "$log")"
+done
+for run in "$WORK"/check/users_command/run*; do
+  [ -d "$run" ] || continue
+  suffix=${run##*/run}
+  [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$OUT/users_command${suffix}_metrics.jsonl"
+  for profiled in "$run"/profile/steps_*; do
+    [ -f "$profiled" ] && cp "$profiled" "$OUT/users_command${suffix}_profile_$(basename "$profiled")"
+  done
 done
 if [ "$CHECK_RC" -ne 0 ] && [ -f "$WORK/check/gpu_check.json" ]; then
   # shellcheck disable=SC2086

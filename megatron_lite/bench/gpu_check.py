@@ -84,6 +84,7 @@ class CheckSettings:
     mix: Path | None = None  # users_command's data: a mix file, its tokenizer and vocabulary
     tokenizer: Path | None = None
     vocab_size: int | None = None
+    users_micro_batches: list[int] | None = None  # users_command: one run per micro batch (None: the config's)
 
     def __post_init__(self) -> None:
         if self.sections is None:
@@ -105,6 +106,11 @@ class CheckSettings:
             raise ValueError("--mix, --tokenizer and --vocab-size go together (users_command's data)")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"--vocab-size {self.vocab_size}: must be >= 1")
+        if self.users_micro_batches is not None and (
+                not self.users_micro_batches or min(self.users_micro_batches) < 1
+                or len(set(self.users_micro_batches)) != len(self.users_micro_batches)):
+            raise ValueError(f"--users-micro-batch {','.join(map(str, self.users_micro_batches))}: give distinct "
+                             "positive micro batches")
 
     @property
     def device(self) -> torch.device:
@@ -124,7 +130,7 @@ class CheckSettings:
         """What the report records of these settings (beside each section's rows)."""
         return {"quick": self.quick, "smoke": self.smoke, "schemes": list(self.schemes or ()),
                 "micro_batch": self.micro_batch, "compile_mode": self.compile_mode,
-                "loss_gemms": list(self.loss_gemms)}
+                "loss_gemms": list(self.loss_gemms), "users_micro_batches": self.users_micro_batches}
 
 
 def parse_sections(text: str | None, quick: bool = False) -> list[str]:
@@ -158,6 +164,16 @@ def parse_schemes(text: str | None) -> list[str] | None:
 def parse_loss_gemms(text: str) -> list[str]:
     """--loss-gemm a,b as model.lm_head.gemm values; an unknown one is one error line naming it."""
     return _comma_list("--loss-gemm", text, LOSS_GEMMS, "value(s)")
+
+
+def parse_micro_batches(text: str | None) -> list[int] | None:
+    """--users-micro-batch 16,64 as integers (None when not given); a word that is no integer is one error line."""
+    if text is None:
+        return None
+    try:
+        return [int(word) for word in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--users-micro-batch {text}: give micro batches as integers, e.g. 16,64") from None
 
 
 def _now() -> str:
@@ -672,11 +688,14 @@ def section_users_command(settings: CheckSettings, progress: Progress) -> list[d
     from megatron_lite.bench.users_command import run_users_command
 
     _free(settings.device)  # the earlier sections' cached blocks: the run below is another process
-    rows = run_users_command(settings.mix, settings.tokenizer, settings.vocab_size, settings.out / "users_command",
-                             cuda=settings.device.type == "cuda" and torch.cuda.is_available(),
-                             timeout_s=USERS_TIMEOUT_S["quick" if settings.quick else "full"], progress=progress)
-    for row in rows:
-        progress(f"  users_command: {_row_summary(row)}")
+    rows = []
+    for micro_batch in settings.users_micro_batches or [None]:
+        rows += run_users_command(settings.mix, settings.tokenizer, settings.vocab_size,
+                                  settings.out / "users_command", cuda=settings.device.type == "cuda"
+                                  and torch.cuda.is_available(),
+                                  timeout_s=USERS_TIMEOUT_S["quick" if settings.quick else "full"], progress=progress,
+                                  micro_batch=micro_batch)
+        progress(f"  users_command: {_row_summary(rows[-1])}")
     return rows
 
 
