@@ -188,3 +188,44 @@ def test_gradient_of_a_scaled_loss(factor: float) -> None:
     reference = scaled(lambda h, w, y: F.cross_entropy(F.linear(h, w), y))
     assert_results_close(run(scaled(fused(16)), hidden, weight, labels), run(reference, hidden, weight, labels),
                          rtol=1e-6, atol=1e-12)
+
+
+class _GemmCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts matrix products (mm / addmm / their dtype overloads) as they are dispatched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket.__name__ in ("mm", "addmm", "addmm_"):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _gemms_in(work: Callable[[], object]) -> int:
+    with _GemmCounter() as counter:
+        work()
+    return counter.count
+
+
+def test_each_chunks_logits_are_made_once_and_no_gradient_is_computed_without_grad() -> None:
+    """Three GEMMs per chunk with gradients (logits, grad_hidden, grad_weight), all in forward, none in backward
+    (the recomputing head took four); one per chunk under no_grad; a frozen weight skips its gradient's."""
+    hidden, weight, labels = inputs(50, 97, 24, ignored=3)  # 50 tokens in chunks of 16: 4 chunks
+    loss = None
+
+    def forward() -> None:
+        nonlocal loss
+        loss = chunked_cross_entropy(hidden, weight, labels, 16)
+
+    assert _gemms_in(forward) == 3 * 4
+    assert _gemms_in(lambda: loss.backward()) == 0
+    assert_results_close((loss.detach(), hidden.grad, weight.grad), run(plain, hidden, weight, labels),
+                         rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        assert _gemms_in(lambda: chunked_cross_entropy(hidden, weight, labels, 16)) == 4
+    frozen = weight.detach()
+    hidden.grad = None
+    assert _gemms_in(lambda: chunked_cross_entropy(hidden, frozen, labels, 16).backward()) == 2 * 4
+    torch.testing.assert_close(hidden.grad, run(plain, hidden, weight, labels)[1], rtol=1e-5, atol=1e-6)

@@ -448,8 +448,8 @@ class TrainConfig:
         "fuses for. null: on when every parameter is a floating CUDA tensor, else off (CPU runs stay unfused); "
         "true: fused wherever torch allows it (CPU too), an error where it does not.", default=None)
     fused_loss: bool = _doc(
-        "LM head + cross entropy in token chunks, recomputed in backward: the (B, T, V) float32 logits never "
-        "exist at once. Same loss and gradients as the plain path.", default=True,
+        "LM head + cross entropy in token chunks, its gradients computed in the same pass: the (B, T, V) float32 "
+        "logits never exist at once. Same loss and gradients as the plain path.", default=True,
     )
     loss_gemm: LossGemm = _doc(
         "The fused loss head's GEMMs (logits, grad_hidden, grad_weight): mixed (operands in the model's dtype, "

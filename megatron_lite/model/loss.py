@@ -2,19 +2,21 @@
 
 At the 350M head (hidden 1024, vocabulary 50,048) a micro batch of 16 x 512 tokens has 1.6 GiB of
 float32 logits, and the plain path keeps their log-softmax and gradient as well. ``chunked_cross_entropy``
-computes the loss ``chunk_tokens`` tokens at a time and recomputes each chunk's logits in backward,
-saving only the hidden states, the weight and the labels: peak memory is about one chunk's logits plus
-the float32 weight gradient.
+computes the loss ``chunk_tokens`` tokens at a time and, where gradients are wanted, both gradients in the
+same pass over each chunk (for a loss gradient of 1; the backward scales them by the real one), as Liger's
+fused linear cross entropy does: each chunk's logits are made once, three GEMMs per chunk instead of four
+with a recompute, and the forward keeps only the two float32 gradients. Peak memory is about one chunk's
+logits plus the float32 weight gradient; the float32 gradients live from the head's forward to its backward.
 
 Dtypes (``gemm``, the three GEMMs per chunk: logits, grad_hidden, grad_weight; the softmax, the loss and
-the weight-gradient sum are float32 in every mode, float64 for float64 inputs):
+the gradients' sums are float32 in every mode, float64 for float64 inputs):
 
   mixed        (default) operands in the model's dtype, float32 accumulation and float32 output: bf16
                tensor cores with today's numerics for the logits, since the bf16 values multiplied exactly
                and summed in float32 lose nothing a float32-operand GEMM would keep. On CUDA this is
                ``torch.mm(..., out_dtype=torch.float32)`` (``aten::mm.dtype``); elsewhere (CPU has no such
                kernel) the same numerics come from upcasting the operands, exact for bf16/fp16 values. The
-               backward's softmax gradient is rounded to the model's dtype before its two GEMMs (the operands
+               softmax gradient is rounded to the model's dtype before its two GEMMs (the operands
                must be bf16 for tensor cores), a ~2^-9 relative rounding per element that the float32 sums
                average out (docs/benchmarks.md has the measured errors against float64).
   input_dtype  operands and output in the model's dtype, logits upcast per chunk (Hugging Face, torchtune,
@@ -22,10 +24,11 @@ the weight-gradient sum are float32 in every mode, float64 for float64 inputs):
   fp32         float32 operands (``h.float() @ w.float().T``): a float32 copy of the weight and float32
                GEMMs, off the tensor cores unless TF32 is on; the reference the other two are measured against.
 
-float32 models run float32 GEMMs in every mode. grad_hidden is produced per chunk and cast to hidden's dtype;
-grad_weight sums over every chunk in float32 and is cast to weight's dtype once. The backward works on half a
-chunk at a time when it rounds the gradient, so its low-precision copy adds a quarter of a chunk's float32
-logits, about what the fp32 mode's float32 weight copy took.
+float32 models run float32 GEMMs in every mode. grad_hidden is produced per chunk, grad_weight sums over every
+chunk, both in float32, scaled by the loss's gradient and cast to their inputs' dtypes once, in backward. The
+gradient is rounded half a chunk at a time, so its low-precision copy adds a quarter of a chunk's float32
+logits, about what the fp32 mode's float32 weight copy took. Under ``torch.no_grad`` (evaluation), or for an
+input that does not require grad, that gradient is not computed.
 
 ``LMHead`` is the model's output layer: its forward returns logits, or the loss when given labels.
 The weight is read inside the head's own forward, so DeepSpeed ZeRO-3 (which gathers a module's
@@ -108,65 +111,70 @@ def _exp_shifted_(logits_nV: torch.Tensor) -> torch.Tensor:
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross entropy of hidden @ weight^T over the non-ignored labels, chunk by chunk."""
+    """Mean cross entropy of hidden @ weight^T over the non-ignored labels, chunk by chunk. Where gradients are
+    wanted, the forward computes them too, for a loss gradient of 1, while each chunk's logits are at hand (as
+    Liger's fused linear cross entropy does): the logits are made once, not recomputed in backward, and the
+    backward only scales the two saved gradients by the loss's gradient."""
 
     @staticmethod
     def forward(ctx: Any, hidden_NC: torch.Tensor, weight_VC: torch.Tensor, labels_N: torch.Tensor,
-                chunk_tokens: int, ignore_index: int, gemm: str) -> torch.Tensor:
+                chunk_tokens: int, ignore_index: int, gemm: str, grad_hidden_wanted: bool,
+                grad_weight_wanted: bool) -> torch.Tensor:
         gemms = _HeadGemms(gemm, hidden_NC, weight_VC)
-        weight_CV = gemms.weight_VC.t()
+        dtype, weight_op_VC = gemms.compute_dtype, gemms.weight_VC
         valid_N = labels_N != ignore_index
         safe_labels_N = labels_N.masked_fill(~valid_N, 0)  # ignored rows gather a real column, then drop out
-        total = hidden_NC.new_zeros((), dtype=gemms.compute_dtype)
-        logsumexp_N = hidden_NC.new_empty(hidden_NC.shape[:1], dtype=gemms.compute_dtype)  # kept for backward
+        count = valid_N.sum()  # stays a tensor: no host sync
+        # d loss / d (per-token NLL): 1 / count on kept rows, exactly 0 on ignored ones (also when the count is 0,
+        # where F.cross_entropy's gradient is 0 too, not nan)
+        scale_N = torch.where(valid_N, count.to(dtype).reciprocal(), 0)
+        total = hidden_NC.new_zeros((), dtype=dtype)
+        # kept in the compute dtype until backward scales them (then cast once), as the old recomputing backward
+        grad_hidden_NC = torch.empty(hidden_NC.shape, dtype=dtype, device=hidden_NC.device) if grad_hidden_wanted else None
+        grad_weight_VC = torch.zeros(weight_VC.shape, dtype=dtype, device=weight_VC.device) if grad_weight_wanted else None
         for start, end in _chunk_bounds(hidden_NC.shape[0], chunk_tokens):
-            logits_nV = gemms.matmul(gemms.operand(hidden_NC[start:end]), weight_CV)  # (n, V) compute dtype
+            hidden_op_nC = gemms.operand(hidden_NC[start:end])
+            logits_nV = gemms.matmul(hidden_op_nC, weight_op_VC.t())  # (n, V) compute dtype
             target_n = logits_nV.gather(1, safe_labels_N[start:end, None]).squeeze(1)
-            max_n1 = _exp_shifted_(logits_nV)
-            logsumexp_n = logits_nV.sum(dim=1).log_() + max_n1.squeeze(1)
-            logsumexp_N[start:end] = logsumexp_n
-            total = total + torch.where(valid_N[start:end], logsumexp_n - target_n, 0).sum()
+            max_n1 = _exp_shifted_(logits_nV)  # logits_nV now exp(logits - rowmax)
+            sum_n1 = logits_nV.sum(dim=1, keepdim=True)
+            total = total + torch.where(valid_N[start:end], sum_n1.squeeze(1).log() + max_n1.squeeze(1) - target_n,
+                                        0).sum()
+            if grad_hidden_NC is not None or grad_weight_VC is not None:
+                # scale * (d NLL / d logits) = scale * (softmax - one_hot), in place: one pass over the chunk
+                logits_nV.mul_(scale_N[start:end, None] / sum_n1)
+                logits_nV.scatter_add_(1, safe_labels_N[start:end, None], -scale_N[start:end, None])
+                _chunk_gradients(gemms, logits_nV, hidden_op_nC, weight_op_VC, start, grad_hidden_NC, grad_weight_VC)
             del logits_nV  # free this chunk before the next one's matmul allocates
-        ctx.save_for_backward(hidden_NC, weight_VC, labels_N, logsumexp_N)
-        ctx.chunk_tokens, ctx.ignore_index, ctx.gemm = chunk_tokens, ignore_index, gemm
-        # count stays a tensor (no host sync); all ignored gives 0/0 = nan, as F.cross_entropy does
-        return total / valid_N.sum()
+        ctx.save_for_backward(grad_hidden_NC, grad_weight_VC)
+        ctx.dtypes = (hidden_NC.dtype, weight_VC.dtype)
+        # all ignored gives 0/0 = nan, as F.cross_entropy does
+        return total / count
 
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden_NC, weight_VC, labels_N, logsumexp_N = ctx.saved_tensors
-        gemms = _HeadGemms(ctx.gemm, hidden_NC, weight_VC)
-        dtype, weight_op_VC = gemms.compute_dtype, gemms.weight_VC
-        valid_N = labels_N != ctx.ignore_index
-        safe_labels_N = labels_N.masked_fill(~valid_N, 0)
-        # d loss / d (per-token NLL) = sign * scale: |grad| / count on kept rows, exactly 0 on ignored ones (also
-        # when the count is 0, where F.cross_entropy's gradient is 0 too, not nan). The scale goes into the
-        # exponent, scale * softmax = exp(logits - (logsumexp - log scale)), so the (n, V) chunk takes two
-        # elementwise passes (shift, exp) instead of six (max, shift, exp, sum, divide, scale); log 0 = -inf
-        # zeroes ignored rows. The sign (a loss multiplied by -1) is applied to the GEMMs' small outputs.
-        grad_loss = grad_loss.to(dtype)
-        scale_N = torch.where(valid_N, grad_loss.abs() / valid_N.sum(), 0)
-        shift_N1 = (logsumexp_N - scale_N.log())[:, None]
-        sign = grad_loss.sign()
-        grad_hidden_NC = torch.empty_like(hidden_NC)
-        grad_weight_VC = torch.zeros(weight_VC.shape, dtype=dtype, device=weight_VC.device)
-        for start, end in _chunk_bounds(hidden_NC.shape[0], ctx.chunk_tokens):
-            hidden_op_nC = gemms.operand(hidden_NC[start:end])
-            # scale * (d NLL / d logits) = scale * (softmax - one_hot), built in place on the recomputed logits
-            grad_nV = gemms.matmul(hidden_op_nC, weight_op_VC.t())
-            grad_nV.sub_(shift_N1[start:end]).exp_()
-            grad_nV.scatter_add_(1, safe_labels_N[start:end, None], -scale_N[start:end, None])
-            # rounded to the operand dtype half a chunk at a time: a quarter chunk of extra memory, not half
-            step = max(1, (end - start + 1) // 2) if gemms.rounds_gradient else end - start
-            for sub in range(0, end - start, step):
-                rows = slice(sub, min(sub + step, end - start))
-                grad_op_mV = gemms.operand(grad_nV[rows])
-                grad_hidden_mC = gemms.matmul(grad_op_mV, weight_op_VC) * sign
-                grad_hidden_NC[start + rows.start:start + rows.stop] = grad_hidden_mC.to(hidden_NC.dtype)
-                grad_weight_VC = gemms.add_matmul(grad_weight_VC, grad_op_mV.t(), hidden_op_nC[rows])
-                del grad_op_mV
-            del grad_nV  # free this chunk before the next one's matmul allocates
-        return grad_hidden_NC, grad_weight_VC.mul_(sign).to(weight_VC.dtype), None, None, None, None
+        grad_hidden_NC, grad_weight_VC = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        grad_hidden = None if grad_hidden_NC is None else (grad_hidden_NC * grad_loss).to(hidden_dtype)
+        grad_weight = None if grad_weight_VC is None else (grad_weight_VC * grad_loss).to(weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _chunk_gradients(gemms: _HeadGemms, grad_nV: torch.Tensor, hidden_op_nC: torch.Tensor, weight_op_VC: torch.Tensor,
+                     start: int, grad_hidden_NC: torch.Tensor | None, grad_weight_VC: torch.Tensor | None) -> None:
+    """One chunk's share of both gradients from its logits' gradient ``grad_nV`` (compute dtype): its rows of
+    grad_hidden, and its term of grad_weight's running sum. Where the GEMMs take the model's dtype, the gradient
+    is rounded to it half a chunk at a time: a quarter chunk of extra memory, not half."""
+    n = grad_nV.shape[0]
+    step = max(1, (n + 1) // 2) if gemms.rounds_gradient else n
+    for sub in range(0, n, step):
+        rows = slice(sub, min(sub + step, n))
+        grad_op_mV = gemms.operand(grad_nV[rows])
+        if grad_hidden_NC is not None:
+            grad_hidden_NC[start + rows.start:start + rows.stop] = gemms.matmul(grad_op_mV, weight_op_VC)
+        if grad_weight_VC is not None:
+            gemms.add_matmul(grad_weight_VC, grad_op_mV.t(), hidden_op_nC[rows])
+        del grad_op_mV
 
 
 def _check_inputs(hidden_NC: torch.Tensor, weight_VC: torch.Tensor, labels_N: torch.Tensor, chunk_tokens: int) -> None:
@@ -185,12 +193,15 @@ def chunked_cross_entropy(hidden_NC: torch.Tensor, weight_VC: torch.Tensor, labe
                           gemm: LossGemm = "mixed") -> torch.Tensor:
     """Mean cross entropy of ``hidden_NC @ weight_VC.T`` against ``labels_N`` (already aligned), without
     ``ignore_index`` labels in sum or count, as ``F.cross_entropy``; float32 (float64 for float64 inputs).
-    The (N, V) logits are never whole: ``chunk_tokens`` rows at a time, recomputed in backward. ``gemm``:
+    The (N, V) logits are never whole: ``chunk_tokens`` rows at a time, the gradients computed with the loss
+    where grad is enabled (module docstring). ``gemm``:
     the GEMMs' operand and output dtypes (module docstring)."""
     _check_inputs(hidden_NC, weight_VC, labels_N, chunk_tokens)
     if gemm not in LOSS_GEMMS:
         raise ValueError(f"loss gemm {gemm!r}: must be one of {', '.join(LOSS_GEMMS)}")
-    return _ChunkedCrossEntropy.apply(hidden_NC, weight_VC, labels_N, chunk_tokens, ignore_index, gemm)
+    grad_enabled = torch.is_grad_enabled()  # False inside the Function's forward: asked here
+    return _ChunkedCrossEntropy.apply(hidden_NC, weight_VC, labels_N, chunk_tokens, ignore_index, gemm,
+                                      grad_enabled and hidden_NC.requires_grad, grad_enabled and weight_VC.requires_grad)
 
 
 class LMHead(nn.Linear):
