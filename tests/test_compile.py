@@ -1,6 +1,7 @@
 """The training hot path under torch.compile: every scheme acting in attention on sdpa and flex, with and without
-activation checkpointing (the embedding-only schemes on sdpa), compiles as one graph (fullgraph=True: no graph break, so no host sync decides anything)
-and gives eager's loss and gradients; a train.compile=true run resumes eagerly and converts to HF."""
+activation checkpointing (the embedding-only schemes on sdpa), compiles as one graph (fullgraph=True: no graph
+break, so no host sync decides anything) and gives eager's loss and gradients; a train.compile=true run resumes
+eagerly and converts to HF."""
 
 from __future__ import annotations
 

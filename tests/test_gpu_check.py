@@ -144,7 +144,8 @@ def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> 
     assert rows[("hf_twin", "compiled", None)]["compile"] == "model.compile()"
     assert all(row["status"].startswith("skipped: --smoke") for (_, mode, _), row in rows.items() if mode == "compiled")
     users = results["users_command"]["rows"]  # one run per --users-micro-batch value
-    assert [(row["status"], row["micro_batch"]) for row in users] == [("skipped: no CUDA", 16), ("skipped: no CUDA", 64)]
+    assert [(row["status"], row["micro_batch"]) for row in users] == [("skipped: no CUDA", 16),
+                                                                       ("skipped: no CUDA", 64)]
     assert users[1]["command"] == users_command.SHOWN_COMMAND + " --set train.train_micro_batch_size_per_gpu=64"
     assert "## users_command" in (tmp_path / "gpu_check.md").read_text()
 

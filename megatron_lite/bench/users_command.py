@@ -5,8 +5,9 @@ bf16, compiled on CUDA) for ``USERS_ITERS`` steps on given data (a mix, its toke
 bundle's shards, ``mix_from_bundle``), logging every ``USERS_LOG_INTERVAL`` steps, then ``USERS_PROFILED_STEPS``
 more under ``train.profile``. Its metrics.jsonl gives the steady tokens/s and MFU (the first logged row, step 1,
 holds the compile and is left out; the profiled steps too), the first step's seconds and the peak memory; its log
-gives the warnings it printed; the profile (run/profile/) how busy the GPU was in the users' step and on what. The compile cache starts empty (a fresh
-``TORCHINDUCTOR_CACHE_DIR``), so the first step is what a user's first run on a new machine sees.
+gives the warnings it printed; its profile (run/profile/) how busy the GPU was in a users' step, and on what. The
+compile cache starts empty (a fresh ``TORCHINDUCTOR_CACHE_DIR``), so the first step is what a user's first run on
+a new machine sees.
 
 On a bare node, ``python -m megatron_lite.bench.users_command BUNDLE DEST`` unpacks and verifies a data bundle
 (tools/build_data_bundle.py) into DEST, writes DEST/mix.yml (its shards read in place) and prints the

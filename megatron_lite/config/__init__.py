@@ -27,12 +27,12 @@ from megatron_lite.config.schema import (
     Config,
     DataConfig,
     ExtrapolationEvalConfig,
-    ProfileConfig,
     FaultInjectionConfig,
     GroupConfig,
     MixConfig,
     ModelConfig,
     PositionConfig,
+    ProfileConfig,
     RopeScalingConfig,
     SourceConfig,
     TokenizerConfig,
@@ -42,9 +42,9 @@ from megatron_lite.config.schema import (
 
 __all__ = [
     "BACKENDS", "CONSTRAINTS", "ROTARY_SCHEMES", "SCALING_TYPES", "SCHEMES",
-    "AttentionConfig", "Config", "DataConfig", "ExtrapolationEvalConfig", "FaultInjectionConfig", "GroupConfig", "ProfileConfig",
-    "MixConfig", "ModelConfig", "PositionConfig", "RopeScalingConfig", "SourceConfig", "TokenizerConfig",
-    "TrainConfig", "WandbConfig",
+    "AttentionConfig", "Config", "DataConfig", "ExtrapolationEvalConfig", "FaultInjectionConfig", "GroupConfig",
+    "MixConfig", "ModelConfig", "PositionConfig", "ProfileConfig", "RopeScalingConfig", "SourceConfig",
+    "TokenizerConfig", "TrainConfig", "WandbConfig",
     "apply_overrides", "documentation", "documentation_page", "from_dict", "load", "parse_dataclass",
     "parse_override", "save", "to_dict", "validate", "with_overrides",
 ]

@@ -129,9 +129,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # where F.cross_entropy's gradient is 0 too, not nan)
         scale_N = torch.where(valid_N, count.to(dtype).reciprocal(), 0)
         total = hidden_NC.new_zeros((), dtype=dtype)
-        # kept in the compute dtype until backward scales them (then cast once), as the old recomputing backward
-        grad_hidden_NC = torch.empty(hidden_NC.shape, dtype=dtype, device=hidden_NC.device) if grad_hidden_wanted else None
-        grad_weight_VC = torch.zeros(weight_VC.shape, dtype=dtype, device=weight_VC.device) if grad_weight_wanted else None
+        # in the compute dtype until backward scales them and casts each once
+        grad_hidden_NC = (torch.empty(hidden_NC.shape, dtype=dtype, device=hidden_NC.device) if grad_hidden_wanted
+                          else None)
+        grad_weight_VC = (torch.zeros(weight_VC.shape, dtype=dtype, device=weight_VC.device) if grad_weight_wanted
+                          else None)
         for start, end in _chunk_bounds(hidden_NC.shape[0], chunk_tokens):
             hidden_op_nC = gemms.operand(hidden_NC[start:end])
             logits_nV = gemms.matmul(hidden_op_nC, weight_op_VC.t())  # (n, V) compute dtype
@@ -193,15 +195,15 @@ def chunked_cross_entropy(hidden_NC: torch.Tensor, weight_VC: torch.Tensor, labe
                           gemm: LossGemm = "mixed") -> torch.Tensor:
     """Mean cross entropy of ``hidden_NC @ weight_VC.T`` against ``labels_N`` (already aligned), without
     ``ignore_index`` labels in sum or count, as ``F.cross_entropy``; float32 (float64 for float64 inputs).
-    The (N, V) logits are never whole: ``chunk_tokens`` rows at a time, the gradients computed with the loss
-    where grad is enabled (module docstring). ``gemm``:
-    the GEMMs' operand and output dtypes (module docstring)."""
+    The (N, V) logits are never whole: ``chunk_tokens`` rows at a time, with the gradients computed in the same
+    pass where grad is enabled. ``gemm``: the GEMMs' operand and output dtypes (module docstring)."""
     _check_inputs(hidden_NC, weight_VC, labels_N, chunk_tokens)
     if gemm not in LOSS_GEMMS:
         raise ValueError(f"loss gemm {gemm!r}: must be one of {', '.join(LOSS_GEMMS)}")
     grad_enabled = torch.is_grad_enabled()  # False inside the Function's forward: asked here
     return _ChunkedCrossEntropy.apply(hidden_NC, weight_VC, labels_N, chunk_tokens, ignore_index, gemm,
-                                      grad_enabled and hidden_NC.requires_grad, grad_enabled and weight_VC.requires_grad)
+                                      grad_enabled and hidden_NC.requires_grad,
+                                      grad_enabled and weight_VC.requires_grad)
 
 
 class LMHead(nn.Linear):

@@ -87,7 +87,8 @@ class ProfileSummary:
         busy = (f"GPU busy {self.busy_s / self.wall_s:.0%} of {self.wall_s:.2f} s" if self.busy_s is not None
                 else f"{self.wall_s:.2f} s wall")
         what = "kernel time" if self.device == "cuda" else "CPU self time"
-        return f"profiled step{'s' if self.last_step > self.first_step else ''} {self.steps_label}: {busy}; {what}: {shares}"
+        plural = "s" if self.last_step > self.first_step else ""
+        return f"profiled step{plural} {self.steps_label}: {busy}; {what}: {shares}"
 
 
 def summarise(events: list[Any], device: str, wall_s: float, first_step: int, last_step: int,
