@@ -15,19 +15,8 @@ from typing import Any
 from megatron_lite.eval.report import (format_ppl, markdown_table, plot_passkey_heatmap, plot_perplexity,
                                        plots_available)
 from megatron_lite.repro.curves import curve_section, plot_curves
+from megatron_lite.repro.paper_comparison import comparison_section, paper_table_markdown
 
-PAPER_TABLE_1 = """Paper, Table 1 (350M models trained on 512 tokens, PG-19, columns 512 ... 32K = 1x ... 64x):
-
-| model | 512 | 1024 | 2048 | 4096 | 8192 | 16K | 32K |
-|---|---|---|---|---|---|---|---|
-| ALiBi | 18.69 | 21.27 | 28.20 | 35.66 | 37.03 | OOM | OOM |
-| RoPE | 19.66 | 411.50 | 3276 | 3026 | 3028 | inf | inf |
-| RoPE + dynamic NTK | 19.66 | 22.30 | 38.00 | 75.75 | 138.13 | 370.75 | 380.75 |
-| CoCA | 20.11 | 33.47 | 69.06 | 113.19 | 157.38 | 141.00 | 171.63 |
-| CoCA + dynamic NTK | 20.11 | 20.81 | 25.88 | 34.16 | 55.75 | 89.31 | 101.13 |
-
-Paper, Table 2 (passkey accuracy, CoCA + dynamic NTK, 512 ... 32K): 1.00, 1.00, 0.96, 0.89, 0.50, 0.23, 0.08.
-"""
 
 Key = tuple[str, str]  # (model = scheme, scaling name)
 PROFILE_TITLES = {"cpu-tiny": "Tiny CoCA reproduction", "gpu-speedrun": "CoCA speedrun",
@@ -192,7 +181,10 @@ def tables_markdown(results: dict[str, Any], headline_factor: float | None) -> s
         parts.append("## Budget\n\nAs planned before the run (`budget.json`):\n\n```\n"
                      + budget_text(results["budget"]) + "\n```")
     parts.append("## Wall time\n\n" + wall_time_table(results))
-    parts.append("## For comparison\n\n" + PAPER_TABLE_1)
+    comparison = comparison_section(results, scaling_name(headline) if headline is not None else None)
+    if comparison is not None:
+        parts.append(comparison)
+    parts.append("## For comparison\n\n" + paper_table_markdown())
     return "\n\n".join(parts) + "\n"
 
 
