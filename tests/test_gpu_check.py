@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron_lite import results_board
-from megatron_lite.bench import gpu_check, users_command
+from megatron_lite.bench import gpu_check, gpu_check_settings, users_command
 from megatron_lite.cli import EXIT_USER_ERROR
 from script_loading import REPO, load_script
 
@@ -32,7 +32,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
 def test_smoke_writes_every_section(smoke_run: tuple[Path, float]) -> None:
     out, _ = smoke_run
     results = json.loads((out / "gpu_check.json").read_text())
-    assert list(results) == list(gpu_check.SECTIONS)
+    assert list(results) == list(gpu_check_settings.SECTIONS)
     markdown = (out / "gpu_check.md").read_text()
     assert f"torch {torch.__version__}" in markdown
     for name, section in results.items():
@@ -42,8 +42,8 @@ def test_smoke_writes_every_section(smoke_run: tuple[Path, float]) -> None:
     assert env["torch"] == torch.__version__ and env["flash-attn"]  # a version or "missing", never a crash
 
     parity = {(row["scheme"], row["backend"]): row for row in results["parity"]["rows"]}
-    assert {scheme for scheme, _ in parity} == set(gpu_check.SCHEMES)
-    for scheme in gpu_check.SCHEMES:
+    assert {scheme for scheme, _ in parity} == set(gpu_check_settings.SCHEMES)
+    for scheme in gpu_check_settings.SCHEMES:
         row = parity[(scheme, "sdpa")]
         assert row["status"] == "ok" and row["rel_error"] < 0.05 and row["max_abs_error"] < 0.2, row
         assert set(gpu_check.PARITY_BACKENDS) == {backend for s, backend in parity if s == scheme}
@@ -52,11 +52,11 @@ def test_smoke_writes_every_section(smoke_run: tuple[Path, float]) -> None:
 
     throughput = results["throughput"]["rows"]
     eager = [row for row in throughput if row["mode"] == "eager"]
-    assert len(eager) == len(gpu_check.SCHEMES) + 1  # + the Hugging Face twin
+    assert len(eager) == len(gpu_check_settings.SCHEMES) + 1  # + the Hugging Face twin
     assert all(row["status"] == "ok" and row["tokens_per_sec"] > 0 and row["micro_batch"] == 2 for row in eager)
 
     memory = [row for row in results["memory"]["rows"] if row["status"] == "ok"]
-    assert {row["scheme"] for row in memory} == set(gpu_check.SCHEMES) and all(row["peak_gib"] > 0 for row in memory)
+    assert {row["scheme"] for row in memory} == set(gpu_check_settings.SCHEMES) and all(row["peak_gib"] > 0 for row in memory)
     assert [row["backend"] for row in memory if row["scheme"] == "alibi"] in (["chunked"], ["flash"])
 
     (train,) = results["train"]["rows"]
@@ -80,7 +80,7 @@ def test_rerun_skips_finished_sections(smoke_run: tuple[Path, float], capsys: py
     assert load_script("tools/gpu_check.py").main(["--smoke", "--out", str(out), "--board", str(out / "board.md")]) == 0
     assert time.perf_counter() - start < min(5.0, first_seconds / 2)
     err = capsys.readouterr().err
-    assert all(f"{name}: already finished" in err for name in gpu_check.SECTIONS), err
+    assert all(f"{name}: already finished" in err for name in gpu_check_settings.SECTIONS), err
     assert json.loads((out / "gpu_check.json").read_text()) == before
     # the re-run finished too: a second row, saying it measured nothing; the first row kept
     first, second = results_board.read_rows(out / "board.md", results_board.GPU_CHECKS)
@@ -108,10 +108,10 @@ def test_without_cuda_and_smoke_is_one_error_line(tmp_path: Path, capsys: pytest
 
 
 def test_sections_and_batch_search() -> None:
-    assert gpu_check.parse_sections(None) == list(gpu_check.SECTIONS)
-    assert gpu_check.parse_sections("sync, env") == ["env", "sync"]  # run in the fixed order
+    assert gpu_check_settings.parse_sections(None) == list(gpu_check_settings.SECTIONS)
+    assert gpu_check_settings.parse_sections("sync, env") == ["env", "sync"]  # run in the fixed order
     with pytest.raises(ValueError, match="nonsense"):
-        gpu_check.parse_sections("env,nonsense")
+        gpu_check_settings.parse_sections("env,nonsense")
     config = gpu_check.parity_config(True, "rope", "sdpa", "fp32")
     device = torch.device("cpu")
     assert gpu_check.largest_batch(config, False, device, 64, fits=lambda batch: batch <= 8) == 8
@@ -128,7 +128,7 @@ def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> 
                  "--users-micro-batch", "16,64"]
     assert load_script("tools/gpu_check.py").main([*arguments, "--board", str(board)]) == 0
     results = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert list(results) == list(gpu_check.QUICK_SECTIONS)
+    assert list(results) == list(gpu_check_settings.QUICK_SECTIONS)
     assert all(section["settings"]["quick"] and section["settings"]["schemes"] == ["rope"]
                for section in results.values())
     assert {row["scheme"] for name in ("parity", "memory", "sync") for row in results[name]["rows"]} == {"rope"}
@@ -181,12 +181,12 @@ def test_bad_flags_are_one_error_line(arguments: list[str], named: str, tmp_path
 
 
 def test_quick_settings_and_throughput_rows() -> None:
-    quick = gpu_check.CheckSettings(out=Path("unused"), quick=True)
-    assert (quick.sections, quick.schemes, quick.micro_batch) == (list(gpu_check.QUICK_SECTIONS),
+    quick = gpu_check_settings.CheckSettings(out=Path("unused"), quick=True)
+    assert (quick.sections, quick.schemes, quick.micro_batch) == (list(gpu_check_settings.QUICK_SECTIONS),
                                                                   ["rope", "coca_slack"], 64)
-    assert quick.budget_s("throughput") < gpu_check.FULL_BUDGET_S
-    full = gpu_check.CheckSettings(out=Path("unused"))
-    assert (full.sections, full.schemes, full.micro_batch) == (list(gpu_check.SECTIONS), list(gpu_check.SCHEMES), None)
+    assert quick.budget_s("throughput") < gpu_check_settings.FULL_BUDGET_S
+    full = gpu_check_settings.CheckSettings(out=Path("unused"))
+    assert (full.sections, full.schemes, full.micro_batch) == (list(gpu_check_settings.SECTIONS), list(gpu_check_settings.SCHEMES), None)
     runs = [(run.model, run.mode) for run in gpu_check.throughput_runs(quick)]
     assert runs == [("rope", "eager"), ("coca_slack", "eager"), ("hf_twin", "eager"),
                     ("coca_slack", "compiled"), ("rope", "compiled"), ("hf_twin", "compiled")]

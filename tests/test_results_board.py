@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from megatron_lite import results_board as board_lib
-from megatron_lite.bench.gpu_check import SECTIONS
+from megatron_lite.bench.gpu_check_settings import SECTIONS
 from megatron_lite.repro import SCHEMES
 from script_loading import REPO, load_script
 

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from megatron_lite import results_board
-from megatron_lite.bench.gpu_check import (LOSS_GEMMS, QUICK_SECTIONS, SECTIONS, CheckSettings, load_results,
-                                           parse_loss_gemms, parse_micro_batches, parse_schemes, parse_sections,
-                                           run_check)
+from megatron_lite.bench.gpu_check import load_results, run_check
+from megatron_lite.bench.gpu_check_settings import (LOSS_GEMMS, QUICK_SECTIONS, SECTIONS, CheckSettings,
+                                                    parse_loss_gemms, parse_micro_batches, parse_schemes,
+                                                    parse_sections)
 from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.model.compile import COMPILE_MODES
 

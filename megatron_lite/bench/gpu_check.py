@@ -22,7 +22,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,28 +31,18 @@ import torch.nn.functional as F
 
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
+from megatron_lite.bench.gpu_check_settings import SECTIONS, CheckSettings
 from megatron_lite.bench.gpu_check_train import CONFIG_350M, CONFIG_TINY, section_train
 from megatron_lite.files import write_text_atomic
 from megatron_lite.model import GPT
-from megatron_lite.model import loss as loss_module
 from megatron_lite.model.attention import check_backend_available
-from megatron_lite.model.compile import COMPILE_MODES, compile_model
-from megatron_lite.model.variants import LABELS, variant_named
+from megatron_lite.model.compile import compile_model
+from megatron_lite.model.variants import variant_named
 from megatron_lite.training.engine import enable_tf32
 from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
 
 REPO = Path(__file__).resolve().parents[2]
-SECTIONS = ("env", "parity", "memory", "throughput", "sequence_parallel", "train", "users_command", "sync")
-QUICK_SECTIONS = ("env", "parity", "memory", "throughput", "users_command", "sync")
-SCHEMES = LABELS  # every scheme, by label (the default of a full check)
-QUICK_SCHEMES = ("rope", "coca_slack")
-QUICK_MICRO_BATCH = 64  # x 512 tokens: the batch of the first GPU run's throughput rows
-# model.lm_head.gemm: the fused loss head's GEMM operands (megatron_lite/model/loss.py)
-LOSS_GEMMS: tuple[str, ...] = tuple(getattr(loss_module, "LOSS_GEMMS", ("mixed", "input_dtype", "fp32")))
 HF_TWIN = "hf_twin"  # the throughput rows' name for Hugging Face GPTNeoXForCausalLM at our dimensions
-# seconds a section may take before its remaining rows are skipped (a row started in time runs to its end)
-FULL_BUDGET_S = 480.0
-QUICK_BUDGET_S = {"memory": 100.0, "throughput": 210.0, "sync": 60.0}
 USERS_TIMEOUT_S = {"quick": 240.0, "full": 900.0}  # the users' command subprocess
 COMPILE_ORDER = ("coca_slack", "coca_strict", "rope", "alibi", "none", "learned", "sinusoidal")
 PARITY_BACKENDS = ("sdpa", "flash", "flex", "chunked")
@@ -63,117 +53,6 @@ SMOKE_DIMENSIONS = ("model.num_layers=2", "model.hidden_size=64", "model.num_att
                     "model.vocab_size=384")
 
 Progress = Callable[[str], None]
-
-
-@dataclass
-class CheckSettings:
-    """What one check runs; ``None`` fields take the profile's default (``quick`` or the full check)."""
-
-    out: Path
-    sections: list[str] | None = None  # None: every section (quick: QUICK_SECTIONS)
-    smoke: bool = False
-    force: bool = False
-    quick: bool = False
-    schemes: list[str] | None = None  # scheme labels (None: every scheme; quick: QUICK_SCHEMES)
-    micro_batch: int | None = None  # a fixed micro batch, no doubling search (None: search; quick: 64; smoke: 2)
-    max_batch: int = 64  # throughput search limit (micro batch)
-    compile_mode: str = "regional"  # our model's compile (megatron_lite.model.compile); the HF twin: whole
-    loss_gemms: list[str] = field(default_factory=lambda: ["mixed"])  # the first for every row of ours; each
-    # further one adds a rope eager throughput row under it
-    section_budget_s: float | None = None  # None: FULL_BUDGET_S (quick: QUICK_BUDGET_S per section)
-    mix: Path | None = None  # users_command's data: a mix file, its tokenizer and vocabulary
-    tokenizer: Path | None = None
-    vocab_size: int | None = None
-    users_micro_batches: list[int] | None = None  # users_command: one run per micro batch (None: the config's)
-
-    def __post_init__(self) -> None:
-        if self.sections is None:
-            self.sections = list(QUICK_SECTIONS if self.quick else SECTIONS)
-        if self.schemes is None:
-            self.schemes = list(QUICK_SCHEMES if self.quick else SCHEMES)
-        if self.micro_batch is None and self.quick and not self.smoke:
-            self.micro_batch = QUICK_MICRO_BATCH
-        if self.compile_mode not in COMPILE_MODES:
-            raise ValueError(f"--compile-mode {self.compile_mode}: must be one of {', '.join(COMPILE_MODES)}")
-        if self.micro_batch is not None and self.micro_batch < 1:
-            raise ValueError(f"--micro-batch {self.micro_batch}: must be >= 1")
-        unknown = [gemm for gemm in self.loss_gemms if gemm not in LOSS_GEMMS]
-        if unknown or not self.loss_gemms or len(set(self.loss_gemms)) != len(self.loss_gemms):
-            raise ValueError(f"--loss-gemm {','.join(self.loss_gemms)}: give distinct values from "
-                             f"{', '.join(LOSS_GEMMS)}")
-        given = [self.mix is not None, self.tokenizer is not None, self.vocab_size is not None]
-        if any(given) and not all(given):
-            raise ValueError("--mix, --tokenizer and --vocab-size go together (users_command's data)")
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"--vocab-size {self.vocab_size}: must be >= 1")
-        if self.users_micro_batches is not None and (
-                not self.users_micro_batches or min(self.users_micro_batches) < 1
-                or len(set(self.users_micro_batches)) != len(self.users_micro_batches)):
-            raise ValueError(f"--users-micro-batch {','.join(map(str, self.users_micro_batches))}: give distinct "
-                             "positive micro batches")
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu" if self.smoke else "cuda")
-
-    @property
-    def profile_sections(self) -> tuple[str, ...]:
-        """Every section of this profile: what a run without --only does."""
-        return QUICK_SECTIONS if self.quick else SECTIONS
-
-    def budget_s(self, section: str) -> float:
-        if self.section_budget_s is not None:
-            return self.section_budget_s
-        return QUICK_BUDGET_S.get(section, FULL_BUDGET_S) if self.quick else FULL_BUDGET_S
-
-    def to_dict(self) -> dict[str, Any]:
-        """What the report records of these settings (beside each section's rows)."""
-        return {"quick": self.quick, "smoke": self.smoke, "schemes": list(self.schemes or ()),
-                "micro_batch": self.micro_batch, "compile_mode": self.compile_mode,
-                "loss_gemms": list(self.loss_gemms), "users_micro_batches": self.users_micro_batches}
-
-
-def parse_sections(text: str | None, quick: bool = False) -> list[str]:
-    """The sections --only names, in the run order (default: every section of the profile)."""
-    allowed = QUICK_SECTIONS if quick else SECTIONS
-    if not text:
-        return list(allowed)
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in allowed]
-    if unknown or not names:
-        raise ValueError(f"--only {text}: unknown section(s) {', '.join(unknown) or '(none)'}"
-                         f"{' for --quick' if quick else ''}; choose from {', '.join(allowed)}")
-    return [name for name in allowed if name in names]
-
-
-def _comma_list(flag: str, text: str, allowed: tuple[str, ...] | list[str], what: str) -> list[str]:
-    """``text`` split at commas, each in ``allowed``, duplicates dropped; else one error line naming the flag."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = [name for name in names if name not in allowed]
-    if unknown or not names:
-        raise ValueError(f"{flag} {text}: unknown {what} {', '.join(unknown) or '(none)'}; "
-                         f"choose from {', '.join(allowed)}")
-    return list(dict.fromkeys(names))
-
-
-def parse_schemes(text: str | None) -> list[str] | None:
-    """--schemes a,b as scheme labels (None when not given); an unknown label is one error line naming it."""
-    return None if text is None else _comma_list("--schemes", text, LABELS, "scheme(s)")
-
-
-def parse_loss_gemms(text: str) -> list[str]:
-    """--loss-gemm a,b as model.lm_head.gemm values; an unknown one is one error line naming it."""
-    return _comma_list("--loss-gemm", text, LOSS_GEMMS, "value(s)")
-
-
-def parse_micro_batches(text: str | None) -> list[int] | None:
-    """--users-micro-batch 16,64 as integers (None when not given); a word that is no integer is one error line."""
-    if text is None:
-        return None
-    try:
-        return [int(word) for word in text.split(",")]
-    except ValueError:
-        raise ValueError(f"--users-micro-batch {text}: give micro batches as integers, e.g. 16,64") from None
 
 
 def _now() -> str:

@@ -92,11 +92,16 @@ def _claims(rows: dict[tuple[str, bool], list[float | None]]) -> list[list[str]]
     def ratio_at(values: Sequence[float | None] | None, k: int) -> float | None:
         return None if values is None else _ratios(values)[PAPER_MULTIPLES.index(k)]
 
-    def below_everywhere(lower: Sequence[float | None] | None, higher: Sequence[float | None] | None) -> str | None:
+    def below_everywhere(lower: Sequence[float | None] | None,
+                         higher: Sequence[float | None] | None) -> tuple[int, int] | None:
+        """(windows past 1x where ``lower`` is below ``higher``, windows both measured); None: none measured."""
         if lower is None or higher is None:
             return None
         pairs = [(a, b) for a, b in zip(lower[1:], higher[1:]) if a is not None and b is not None]
-        return f"{sum(a < b for a, b in pairs)} of {len(pairs)}" if pairs else None
+        return (sum(a < b for a, b in pairs), len(pairs)) if pairs else None
+
+    def windows(count: tuple[int, int] | None) -> str:
+        return "–" if count is None else f"{count[0]} of {count[1]} windows"
 
     paper = {key: list(values) for key, values in PAPER_TABLE_1.items()}
     rope, coca = rows.get(("rope", False)), rows.get(("coca_slack", False))
@@ -117,20 +122,13 @@ def _claims(rows: dict[tuple[str, bool], list[float | None]]) -> list[list[str]]
                    "–" if run_coca is None else f"{run_coca:.2f}x", contrast])
     paper_below = below_everywhere(paper[("CoCA", False)], paper[("RoPE", False)])
     run_below = below_everywhere(coca, rope)
-    checks.append(["CoCA's perplexity below RoPE's at every window past 1x", f"{paper_below} windows",
-                   "–" if run_below is None else f"{run_below} windows",
-                   _verdict(None if run_below is None else _all_of(run_below))])
+    checks.append(["CoCA's perplexity below RoPE's at every window past 1x", windows(paper_below),
+                   windows(run_below), _verdict(None if run_below is None else run_below[0] == run_below[1])])
     paper_ntk = below_everywhere(paper[("CoCA", True)], paper[("CoCA", False)])
     run_ntk = below_everywhere(coca_dynamic, coca)
-    checks.append(["dynamic NTK lowers CoCA's perplexity at every window past 1x", f"{paper_ntk} windows",
-                   "–" if run_ntk is None else f"{run_ntk} windows",
-                   _verdict(None if run_ntk is None else _all_of(run_ntk))])
+    checks.append(["dynamic NTK lowers CoCA's perplexity at every window past 1x", windows(paper_ntk),
+                   windows(run_ntk), _verdict(None if run_ntk is None else run_ntk[0] == run_ntk[1])])
     return checks
-
-
-def _all_of(count_text: str) -> bool:
-    hits, _, total = count_text.partition(" of ")
-    return int(hits) == int(total)
 
 
 def _verdict(holds: bool | None) -> str:

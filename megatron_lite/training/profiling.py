@@ -103,7 +103,8 @@ def summarise(events: list[Any], device: str, wall_s: float, first_step: int, la
             if event.device_type == torch.autograd.DeviceType.CUDA:
                 start, end = event.time_range.start, event.time_range.end  # microseconds
                 spans.append((start, end))
-                by_kind[kind_of(event.name)] = by_kind.get(kind_of(event.name), 0.0) + (end - start) / 1e6
+                kind = kind_of(event.name)
+                by_kind[kind] = by_kind.get(kind, 0.0) + (end - start) / 1e6
         busy_s = union_length(spans) / 1e6
     else:
         for event in events:
