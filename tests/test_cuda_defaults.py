@@ -9,6 +9,7 @@ slow test below runs on CPU, and runs as it is on a GPU node.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -147,7 +148,7 @@ def test_fused_flag_survives_a_state_load_from_an_unfused_run() -> None:
         torch.testing.assert_close(parameter.detach(), expected)
 
 
-def test_dataloader_workers_are_spawned_not_forked(training_corpus) -> None:
+def test_dataloader_workers_are_spawned_not_forked_and_pin_for_cuda(training_corpus) -> None:
     """The run's training loader starts its workers fresh (no fork of a threaded process); the validation
     loader has none."""
     from megatron_lite.training.data import prepare_training_data
@@ -162,6 +163,12 @@ def test_dataloader_workers_are_spawned_not_forked(training_corpus) -> None:
     assert train_loader.num_workers == 1
     assert train_loader.multiprocessing_context.get_start_method() == WORKER_START_METHOD == "spawn"
     assert valid_loader is not None and valid_loader.num_workers == 0
+    assert not train_loader.pin_memory and not valid_loader.pin_memory  # no page-locked memory without a GPU
+    # for a CUDA rank (the loaders are only built, not iterated: no GPU needed) batches come page-locked, so
+    # train_step's non_blocking copies do not wait for the GPU
+    cuda_rank = dataclasses.replace(CPU, device=torch.device("cuda", 0))
+    train_loader, valid_loader = data.loaders(config, batch, cuda_rank, consumed_samples=0)
+    assert train_loader.pin_memory and valid_loader is not None and valid_loader.pin_memory
 
 
 # ----------------------------------------------------------------------------------------------

@@ -178,6 +178,56 @@ def test_block_mask_is_head_and_batch_independent_without_documents() -> None:
     assert block_mask.kv_num_blocks.device == positions_T.device
 
 
+def torch_block_mask(q_positions_T: torch.Tensor, k_positions_S: torch.Tensor,
+                     documents_BT: torch.Tensor | None = None) -> object:
+    """torch's own create_block_mask of the same mask_mod: the whole (B, 1, T, S) mask at once."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask_mod, batch = flex.causal_mask_mod(q_positions_T, k_positions_S), None
+    if documents_BT is not None:
+        mask_mod, batch = flex.document_mask_mod(mask_mod, documents_BT, documents_BT), documents_BT.shape[0]
+    return create_block_mask(mask_mod, batch, None, q_positions_T.shape[0], k_positions_S.shape[0],
+                             BLOCK_SIZE=flex.BLOCK_SIZE)
+
+
+def assert_same_block_mask(actual: object, expected: object) -> None:
+    assert actual.shape == expected.shape
+    for mine, theirs in zip(actual.as_tuple(), expected.as_tuple()):
+        if isinstance(mine, torch.Tensor):
+            assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+        elif not callable(mine):
+            assert mine == theirs
+
+
+@pytest.mark.parametrize("band_pairs", [1 << 27, 128 * 128, 3 * 300 * 128])  # one band, one block row, ragged
+def test_block_mask_equals_torchs_without_the_whole_mask(band_pairs: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_block_mask gives create_block_mask's BlockMask (every index tensor equal) for self-attention, decoding
+    against a cache, lengths off the 128 block and documents, evaluating at most a band of the mask at once
+    (torch's eager path holds the whole mask and an int64 copy of it: ~10 bytes per query-key pair)."""
+    monkeypatch.setattr(flex, "MASK_ELEMENTS_PER_BAND", band_pairs)
+    generator = torch.Generator().manual_seed(0)
+    for length, keys in ((7, 7), (300, 300), (1, 257), (130, 389)):
+        q_positions_T, k_positions_S = torch.arange(keys - length, keys) + 3, torch.arange(keys) + 3
+        assert_same_block_mask(flex.build_block_mask(q_positions_T, k_positions_S),
+                               torch_block_mask(q_positions_T, k_positions_S))
+        if length == keys:
+            documents_BT = flex.document_ids(torch.randint(0, 20, (3, length), generator=generator), 0)
+            assert_same_block_mask(flex.build_block_mask(q_positions_T, k_positions_S, documents_BT, documents_BT),
+                                   torch_block_mask(q_positions_T, k_positions_S, documents_BT))
+
+    evaluated: list[int] = []
+    causal = flex.causal_mask_mod(torch.arange(1000), torch.arange(1000))
+
+    def recording(b, h, q_idx, kv_idx):
+        visible = causal(b, h, q_idx, kv_idx)
+        evaluated.append(torch.broadcast_shapes(b.shape, q_idx.shape, kv_idx.shape, visible.shape).numel())
+        return visible
+
+    flex.banded_block_mask(recording, 1, 1000, 1000, torch.device("cpu"))
+    expected_max = max(128, band_pairs // (1024 * 128) * 128) * 1000  # whole query blocks, at least one
+    assert sum(evaluated) == 1000 * 1000 and max(evaluated) == min(expected_max, 1000 * 1000)
+
+
 def test_inference_on_cpu_runs_real_flex(monkeypatch: pytest.MonkeyPatch) -> None:
     """No grad: flex_attention itself runs (the dense path is for CPU training only)."""
 

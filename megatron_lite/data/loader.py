@@ -280,13 +280,14 @@ def seed_worker(worker_id: int) -> None:
 
 
 def sample_loader(dataset: Dataset, batch_size: int, *, seed: int, rank: int, purpose: str,
-                  num_workers: int = 0, drop_last: bool = True) -> DataLoader:
+                  num_workers: int = 0, drop_last: bool = True, pin_memory: bool = False) -> DataLoader:
     """Batches of ``dataset`` in order (the blend index fixed the order), complete batches only unless
     ``drop_last`` is off; iterating it draws from its own generator (``loader_generator``), never from the
-    global one."""
+    global one. ``pin_memory`` (for a CUDA device): batches in page-locked memory, so that a ``non_blocking``
+    copy to the GPU is asynchronous (from pageable memory it may wait for the GPU's queue to drain first)."""
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=drop_last, num_workers=num_workers,
                       persistent_workers=False, worker_init_fn=seed_worker if num_workers else None,
-                      generator=loader_generator(seed, rank, purpose))
+                      generator=loader_generator(seed, rank, purpose), pin_memory=pin_memory)
 
 
 def _is_index_builder(rank: int) -> bool:

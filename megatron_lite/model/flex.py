@@ -22,6 +22,11 @@ What torch 2.13 does on CPU (measured; see tests/test_flex_kernel.py):
   * On CUDA the raw ``flex_attention`` would also fall back to the unfused math path, so it is wrapped
     once in a module-level ``torch.compile`` (the fused Triton kernel, forward and backward). Inside an
     enclosing ``torch.compile`` the raw function is called and the outer graph compiles it.
+  * ``create_block_mask`` run eagerly materialises the whole (B, H, T, S) boolean mask, and its per-block sum
+    over a permuted view a copy of it in int64: about 10 bytes per query-key pair (2.6 GB at 16K tokens on CPU,
+    measured; the 10.8 GiB of the flex row at 32K in the GPU check of 2026-11-26). ``build_block_mask`` makes the
+    same BlockMask a band of query blocks at a time (``MASK_ELEMENTS_PER_BAND``), with boolean block reductions:
+    one band's mask at most, whatever the length, and no compile.
 
 dtype: q/k/v share one dtype (fp32, fp16, bf16). The ALiBi bias is computed in float32 (slopes and
 distances as float32, like the reference's float mask) and added to the kernel's score.
@@ -41,6 +46,7 @@ from megatron_lite.model.gqa import is_grouped, repeat_kv
 
 FLEX_MIN_TORCH = (2, 5)
 BLOCK_SIZE = 128  # FlexAttention's default sparse block; lengths need not be multiples of it
+MASK_ELEMENTS_PER_BAND = 1 << 27  # query-key pairs (x batch) of the mask evaluated at once: 128 MiB of bool
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -119,16 +125,51 @@ def build_block_mask(q_positions_T: Tensor, k_positions_S: Tensor, document_ids_
                      document_ids_BS: Tensor | None = None) -> Any:
     """One BlockMask per forward, on the positions' device: (1, 1, T, S) broadcast over batch and heads,
     or (B, 1, T, S) with document ids. Independent of head and layer, so every layer shares it."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     _check_mask_inputs(q_positions_T, k_positions_S, document_ids_BT, document_ids_BS)
     mask_mod = causal_mask_mod(q_positions_T, k_positions_S)
-    batch = None
+    batch = 1
     if document_ids_BT is not None and document_ids_BS is not None:
         mask_mod = document_mask_mod(mask_mod, document_ids_BT, document_ids_BS)
         batch = document_ids_BT.shape[0]
-    return create_block_mask(mask_mod, batch, None, q_positions_T.shape[0], k_positions_S.shape[0],
-                             device=q_positions_T.device, BLOCK_SIZE=BLOCK_SIZE)
+    return banded_block_mask(mask_mod, batch, q_positions_T.shape[0], k_positions_S.shape[0], q_positions_T.device)
+
+
+def banded_block_mask(mask_mod: MaskMod, batch: int, q_len: int, kv_len: int, device: torch.device) -> Any:
+    """``create_block_mask(mask_mod, batch, None, q_len, kv_len, device, BLOCK_SIZE)``'s BlockMask (one head,
+    broadcast over heads) without its whole mask: ``mask_mod`` evaluated on broadcast index grids (it only
+    indexes and compares, so broadcasting equals create_mask's vmap), a band of whole query blocks at a time;
+    each block full where every pair in it is visible, partial where some are (padding past the lengths is
+    never visible), the block lists ordered as torch's ``_dense_to_ordered`` orders them."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kv_blocks = -(-kv_len // BLOCK_SIZE)
+    padded_kv = kv_blocks * BLOCK_SIZE
+    rows_per_band = max(1, MASK_ELEMENTS_PER_BAND // (batch * padded_kv * BLOCK_SIZE)) * BLOCK_SIZE
+    b = torch.arange(batch, device=device)[:, None, None]
+    h = torch.zeros((), dtype=torch.int64, device=device)
+    kv_idx = torch.arange(kv_len, device=device)[None, None, :]
+    partial, full = [], []
+    for start in range(0, q_len, rows_per_band):
+        rows = min(rows_per_band, q_len - start)
+        q_idx = torch.arange(start, start + rows, device=device)[None, :, None]
+        visible = mask_mod(b, h, q_idx, kv_idx).expand(batch, rows, kv_len)  # (B, rows, S) bool
+        padded_rows = -(-rows // BLOCK_SIZE) * BLOCK_SIZE
+        visible = torch.nn.functional.pad(visible, (0, padded_kv - kv_len, 0, padded_rows - rows))
+        blocks = visible.view(batch, padded_rows // BLOCK_SIZE, BLOCK_SIZE, kv_blocks, BLOCK_SIZE)
+        any_visible, all_visible = blocks.any(dim=4).any(dim=2), blocks.all(dim=4).all(dim=2)  # (B, nq, nk)
+        partial.append(any_visible & ~all_visible)
+        full.append(all_visible)
+    partial_BHQK, full_BHQK = torch.cat(partial, dim=1)[:, None], torch.cat(full, dim=1)[:, None]
+    return BlockMask.from_kv_blocks(*_ordered(partial_BHQK), *_ordered(full_BHQK), BLOCK_SIZE=BLOCK_SIZE,
+                                    mask_mod=mask_mod, seq_lengths=(q_len, kv_len))
+
+
+def _ordered(blocks_BHQK: Tensor) -> tuple[Tensor, Tensor]:
+    """(number of marked key blocks per query block (B, H, nq), key block indices marked first (B, H, nq, nk)),
+    int32, as torch's ``_dense_to_ordered``."""
+    dense = blocks_BHQK.to(torch.int32)
+    indices = torch.argsort(dense, dim=-1, descending=True, stable=True)
+    return dense.sum(dim=-1).to(torch.int32), indices.to(torch.int32)
 
 
 def alibi_score_mod(q_positions_T: Tensor, k_positions_S: Tensor, slopes_H: Tensor) -> ScoreMod:

@@ -54,7 +54,8 @@ class TrainingData:
             config.data, config.model.seq_length, self.manifest, self.total_steps * batch.global_batch_size, num_valid,
             rank=dist_info.data_parallel_rank, world_size=dist_info.data_parallel_size,
             consumed_samples=consumed_samples, mix=self.mix)  # a sequence-parallel group shares its samples
-        common = {"batch_size": batch.micro_batch_size, "seed": config.seed, "rank": dist_info.data_parallel_rank}
+        common = {"batch_size": batch.micro_batch_size, "seed": config.seed, "rank": dist_info.data_parallel_rank,
+                  "pin_memory": dist_info.device.type == "cuda"}  # train_step's non_blocking copies stay async
         train_loader = sample_loader(train_set, **common, purpose="train", num_workers=train.num_workers)
         if train.num_workers:
             train_loader.multiprocessing_context = WORKER_START_METHOD
