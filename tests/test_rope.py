@@ -105,3 +105,55 @@ def test_apply_rotary_rotates_pairs_and_passes_the_rest() -> None:
             torch.testing.assert_close(rotated[..., n, i], a * math.cos(angle) - b * math.sin(angle))
             torch.testing.assert_close(rotated[..., n, i + R // 2], b * math.cos(angle) + a * math.sin(angle))
     assert torch.equal(rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0])), torch.tensor([-3.0, -4.0, 1.0, 2.0]))
+
+
+def rotation_case(dtype: torch.dtype, rotary_dims: int, head_dim: int = 32) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+    """x (B, H, T, D): the q slot of a fused (B, T, H, 3D) projection, as attention hands it over; cos/sin
+    (T, r) in the [theta, theta] layout."""
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 6, 4, 3 * head_dim, generator=generator).to(dtype)
+    x = qkv[..., :head_dim].transpose(1, 2).detach().requires_grad_()
+    angles = torch.rand(6, rotary_dims // 2, generator=generator, dtype=torch.float64) * 6
+    angles = torch.cat((angles, angles), dim=-1)
+    return x, angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@pytest.mark.parametrize("rotary_dims", [32, 16])
+@pytest.mark.parametrize("transpose", [False, True])
+def test_fused_bf16_rotation_is_the_rotation_and_its_gradient_the_inverse(rotary_dims: int, transpose: bool) -> None:
+    """bf16 takes the two-pass rotation (multiply, then multiply-add per half): R x (R^T x) within its two bf16
+    roundings of the float64 result, in x's memory layout, pass-through dims exact; its gradient is R^T g (R g)."""
+    from megatron_lite.model.rope import FUSED_ROTATION_DTYPES, rotate
+
+    assert torch.bfloat16 in FUSED_ROTATION_DTYPES
+    x, cos, sin = rotation_case(torch.bfloat16, rotary_dims)
+    y = rotate(x, cos, sin, transpose)
+    grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    (grad_x,) = torch.autograd.grad(y, x, grad)
+    x64, cos64, sin64 = x.detach().double().requires_grad_(), cos.double(), sin.double()
+    y64 = rotate(x64, cos64, sin64, transpose)  # float64: the plain expression
+    (grad64,) = torch.autograd.grad(y64, x64, grad.double())
+    torch.testing.assert_close(y.double(), y64, rtol=2**-7, atol=2**-7)  # two roundings of 2^-8 at most
+    torch.testing.assert_close(grad_x.double(), grad64, rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(grad64, rotate(grad.double(), cos64, sin64, not transpose), rtol=0, atol=1e-12)
+    assert torch.equal(y[..., rotary_dims:], x[..., rotary_dims:])
+    assert sorted(range(4), key=lambda d: -y.stride(d)) == sorted(range(4), key=lambda d: -x.stride(d))
+
+
+def test_fused_bf16_rotation_moves_half_the_bytes() -> None:
+    """Forward + backward of the bf16 rotation reads and writes at most ~10 times x's bytes (the expression with
+    autograd: over 20), counted as the step census counts it."""
+    from megatron_lite.bench.step_census import CensusMode
+    from megatron_lite.model.rope import rotate
+
+    def traffic(dtype_path: torch.dtype) -> float:
+        x, cos, sin = rotation_case(dtype_path, 32)
+        mode = CensusMode(torch.device("cpu"))
+        with mode:
+            rotate(x, cos, sin).backward(torch.ones(x.shape, dtype=x.dtype))
+        moved = sum(sum(phase.traffic.values()) - phase.traffic["ones"] for phase in mode.phases.values())
+        return moved / (x.numel() * x.element_size())
+
+    assert traffic(torch.bfloat16) <= 10.5
+    assert traffic(torch.float32) > 20  # the expression, kept for float32

@@ -22,7 +22,7 @@ from megatron_lite.bench.compile_time import (
     measure_in_process,
     worker_env,
 )
-from megatron_lite.bench.step_census import HOST_TO_DEVICE, census_step
+from megatron_lite.bench.step_census import HOST_TO_DEVICE, census_step, traffic_bytes
 
 
 class TwoGemms(nn.Module):
@@ -73,6 +73,33 @@ def test_sync_ops_counted_in_forward_and_host_copies_only_off_the_cpu() -> None:
     assert on_meta.fp32_share == pytest.approx(on_cpu.fp32_share)
     with pytest.raises(ValueError, match="census on cpu: the model is on meta"):
         census_step(model, ids, device="cpu")
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_memory_traffic_of_the_operators_that_are_not_gemms(device: str) -> None:
+    class Elementwise(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.x = nn.Parameter(torch.randn(4, 8))  # 128 bytes
+            self.bias = nn.Parameter(torch.randn(8))  # 32 bytes, broadcast over rows
+
+        def forward(self, ids_BT: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            y = self.x * 2  # reads 128, writes 128
+            y = y + self.bias  # reads 128 + 32, writes 128
+            y = y @ torch.ones(8, 8, device=y.device)  # a GEMM: not counted (ones writes 256)
+            picked = y.gather(1, torch.zeros(4, 1, dtype=torch.long, device=y.device))  # ids 32, moves 2 x 16
+            return picked.t().sum()  # t is a view; sum reads 16, writes 4
+
+    with torch.device(device):
+        model = Elementwise()
+    census = census_step(model, torch.zeros(1, 5, dtype=torch.long, device=device))
+    forward = census.phases["forward"].traffic
+    assert {name: forward[name] for name in ("mul", "add", "gather", "sum")} == {
+        "mul": 256, "add": 288, "gather": 64, "sum": 20}
+    assert "mm" not in forward and "t" not in forward and forward["ones"] == 256 and forward["zeros"] == 32
+    assert census.traffic_bytes == sum(forward.values()) + sum(census.phases["backward"].traffic.values())
+    source, out = torch.ones(4, 1), torch.empty(4, 1)  # an out= operand is written, not read
+    assert traffic_bytes("neg", (source,), {"out": out}, torch.neg(source, out=out)) == 32
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

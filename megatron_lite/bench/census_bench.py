@@ -96,7 +96,7 @@ def run_census(settings: CensusSettings, progress: Callable[[str], None] = print
                 progress(f"census {device} {row['model']} {row['scheme']}"
                          f"{'' if row['gemm'] is None else ' gemm=' + row['gemm']}: fp32 share "
                          f"{row['fp32_share']:.1%}, sync {row['sync_count']}, ops {row['dispatched_ops']:,} "
-                         f"({row['non_view_ops']:,} non-view)")
+                         f"({row['non_view_ops']:,} non-view), other ops' traffic {row['traffic_bytes'] / 1e9:,.2f} GB")
             del model
     return rows
 
@@ -120,16 +120,18 @@ def format_census(rows: list[dict[str, Any]], settings: CensusSettings) -> str:
         "operand; SDPA FLOPs apart (fwd 4BHTSD, bwd 8BHTSD). Sync: item/nonzero/is_nonzero/equal on the model's "
         f"device and '{HOST_TO_DEVICE}' copies (always 0 on cpu, where the host is the device; meta shows "
         "the CUDA path's operators). Dispatched ops: every aten call; non-view: those not views (about the "
-        "kernels an eager CUDA step launches).",
+        "kernels an eager CUDA step launches). Other ops' traffic: bytes read and written by the operators that "
+        "are not GEMMs, fused attention or views (memory-bound on a GPU: the eager step's time beside its GEMMs).",
         "",
         "| device | model | scheme | loss GEMM | GEMM GFLOP | fp32-operand share | SDPA GFLOP | sync ops | "
-        "dispatched ops | non-view ops |",
-        "|---|---|---|---|---:|---:|---:|---|---:|---:|",
+        "dispatched ops | non-view ops | other ops' traffic GB |",
+        "|---|---|---|---|---:|---:|---:|---|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(f"| {row['device']} | {row['model']} | {row['scheme']} | {row['gemm'] or '–'} | "
                      f"{row['gemm_flops'] / 1e9:,.2f} | {row['fp32_share']:.1%} | {row['sdpa_flops'] / 1e9:,.2f} | "
-                     f"{_syncs(row)} | {row['dispatched_ops']:,} | {row['non_view_ops']:,} |")
+                     f"{_syncs(row)} | {row['dispatched_ops']:,} | {row['non_view_ops']:,} | "
+                     f"{row['traffic_bytes'] / 1e9:,.2f} |")
     lines += ["", *census_ratios(rows)]
     return "\n".join(lines) + "\n"
 
@@ -144,7 +146,8 @@ def census_ratios(rows: list[dict[str, Any]]) -> list[str]:
         gemm = "" if row["gemm"] is None else f" ({row['gemm']})"
         lines.append(f"{row['device']} {row['scheme']}{gemm} / {HF_TWIN}: dispatched ops "
                      f"{row['dispatched_ops'] / twin['dispatched_ops']:.2f}x, non-view ops "
-                     f"{row['non_view_ops'] / twin['non_view_ops']:.2f}x, fp32 share "
+                     f"{row['non_view_ops'] / twin['non_view_ops']:.2f}x, other ops' traffic "
+                     f"{row['traffic_bytes'] / max(twin['traffic_bytes'], 1):.2f}x, fp32 share "
                      f"{row['fp32_share']:.1%} vs {twin['fp32_share']:.1%}, sync ops {row['sync_count']} vs "
                      f"{twin['sync_count']}")
     return lines

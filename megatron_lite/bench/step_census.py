@@ -18,6 +18,11 @@ counts, per phase (forward, backward, optimizer):
 * **dispatched operators**: every aten call the mode sees, and ``non_view_ops`` of them that are not views (a
   view launches no kernel): about the kernels an eager CUDA step launches, so its host-side launch overhead,
   which dominates small models.
+* **memory traffic of everything else** (``traffic_bytes``): the bytes each operator that is neither a GEMM, nor
+  fused attention, nor a view reads and writes: its tensor inputs and outputs (an input broadcast along a dimension
+  counted once along it; an in-place operand read and written; a gather or scatter what it moves, not the whole
+  table it indexes). Those operators are memory-bound on a GPU, so this predicts the eager step's time beside
+  its GEMMs and attention; compiled, inductor fuses much of it away.
 
 The census works on whatever device the model is on. ``meta`` is the way to see the CUDA path without a
 GPU: nothing is computed, shapes flow, and code that branches on the device type can take its non-CPU
@@ -42,6 +47,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 GEMM_OPS = frozenset({"mm", "addmm", "addmm_", "bmm", "baddbmm", "baddbmm_"})
@@ -55,6 +61,12 @@ COPY_OPS = frozenset({"_to_copy", "copy_", "copy", "_copy_from", "_copy_from_and
 HOST_TO_DEVICE = "copy cpu->device"
 PHASES = ("forward", "backward", "optimizer")
 FP32 = "float32"
+# operators that move no data (allocations, aliases)
+NO_TRAFFIC_OPS = frozenset({"detach", "empty", "empty_like", "new_empty", "empty_strided", "_unsafe_view", "alias",
+                            "lift_fresh"})
+GATHER_OPS = frozenset({"gather", "index_select", "embedding", "index"})  # read about what they return
+SCATTER_OPS = frozenset({"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
+                         "index_put", "index_put_", "index_add", "index_add_"})  # move about their source
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -69,11 +81,12 @@ class PhaseCensus:
     gemm_calls: Counter = field(default_factory=Counter)  # op overload -> calls
     sdpa_flops: Counter = field(default_factory=Counter)  # query dtype -> FLOPs
     sync_ops: Counter = field(default_factory=Counter)  # op name (or HOST_TO_DEVICE) -> count
+    traffic: Counter = field(default_factory=Counter)  # op name -> bytes read + written (``traffic_bytes``)
     dispatched_ops: int = 0
     view_ops: int = 0
 
     def add(self, other: PhaseCensus) -> None:
-        for name in ("gemm_flops", "gemm_calls", "sdpa_flops", "sync_ops"):
+        for name in ("gemm_flops", "gemm_calls", "sdpa_flops", "sync_ops", "traffic"):
             getattr(self, name).update(getattr(other, name))
         self.dispatched_ops += other.dispatched_ops
         self.view_ops += other.view_ops
@@ -130,12 +143,19 @@ class StepCensus:
         total = self.total()
         return total.dispatched_ops - total.view_ops
 
+    @property
+    def traffic_bytes(self) -> int:
+        """Bytes read and written by the operators that are not GEMMs, fused attention or views."""
+        return sum(self.total().traffic.values())
+
     def as_dict(self) -> dict[str, Any]:
         return {"device": self.device, "gemm_flops": self.gemm_flops, "fp32_gemm_flops": self.fp32_gemm_flops,
                 "fp32_share": self.fp32_share, "sdpa_flops": self.sdpa_flops, "sync_ops": dict(self.sync_ops),
                 "sync_count": self.sync_count, "dispatched_ops": self.dispatched_ops, "non_view_ops": self.non_view_ops,
+                "traffic_bytes": self.traffic_bytes,
                 "phases": {name: {"gemm_flops": dict(phase.gemm_flops), "gemm_calls": dict(phase.gemm_calls),
                                   "sdpa_flops": dict(phase.sdpa_flops), "sync_ops": dict(phase.sync_ops),
+                                  "traffic": dict(phase.traffic),
                                   "dispatched_ops": phase.dispatched_ops, "view_ops": phase.view_ops}
                            for name, phase in self.phases.items()}}
 
@@ -161,6 +181,29 @@ def sdpa_flops(args: tuple[Any, ...], backward: bool) -> tuple[str, int]:
     batch, heads, queries, dim = q.shape
     flops = 4 * batch * heads * queries * k.shape[-2] * dim
     return _dtype_name(q.dtype), 2 * flops if backward else flops
+
+
+def touched_bytes(tensor: torch.Tensor) -> int:
+    """Bytes of the distinct elements a tensor addresses (a dimension of stride 0, a broadcast, counted once)."""
+    elements = 1
+    for size, stride in zip(tensor.shape, tensor.stride()):
+        elements *= size if stride else 1
+    return elements * tensor.element_size()
+
+
+def traffic_bytes(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    """Bytes one memory-bound operator reads and writes (module docstring): its tensor inputs and outputs; a gather
+    its indices and twice what it returns, a scatter its indices and twice its source."""
+    if name in NO_TRAFFIC_OPS:
+        return 0
+    read = (args, {key: value for key, value in kwargs.items() if key != "out"})  # out=: written, returned
+    inputs = [value for value in pytree.tree_leaves(read) if isinstance(value, torch.Tensor)]
+    outputs = [value for value in pytree.tree_leaves(out) if isinstance(value, torch.Tensor)]
+    if name in GATHER_OPS:
+        return sum(map(touched_bytes, inputs[1:])) + 2 * sum(map(touched_bytes, outputs))
+    if name in SCATTER_OPS:
+        return sum(map(touched_bytes, inputs[1:])) * 2
+    return sum(map(touched_bytes, inputs)) + sum(map(touched_bytes, outputs))
 
 
 def _stand_in(name: str, args: tuple[Any, ...]) -> Any:
@@ -203,6 +246,8 @@ class CensusMode(TorchDispatchMode):
             if args[0].device.type == "meta":
                 return _stand_in(name, args)
         out = func(*args, **kwargs)
+        if not func.is_view and name not in GEMM_OPS and name not in SDPA_FORWARD_OPS and name not in SDPA_BACKWARD_OPS:
+            counts.traffic[name] += traffic_bytes(name, args, kwargs, out)
         if name in COPY_OPS and self.device.type != "cpu":
             if name in ("copy_", "copy"):  # copy_(self, src) / copy(self, src): src's data into self's device
                 source, target = args[1], args[0]

@@ -82,6 +82,14 @@ class _HeadGemms:
     def operand(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.rounding_dtype).to(self.operand_dtype)
 
+    def scaled_operand_(self, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        """``operand(x * factor)`` in one pass over ``x`` (compute dtype; scaled in place where it is not
+        rounded): the product is rounded as it is stored, not written in float32 and then cast."""
+        if not self.rounds_gradient:
+            return x.mul_(factor)
+        rounded = torch.empty(x.shape, dtype=self.rounding_dtype, device=x.device)
+        return torch.mul(x, factor, out=rounded).to(self.operand_dtype)
+
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a @ b in the compute dtype from operands in the operand dtype."""
         if self.operand_dtype == self.compute_dtype:
@@ -143,10 +151,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             total = total + torch.where(valid_N[start:end], sum_n1.squeeze(1).log() + max_n1.squeeze(1) - target_n,
                                         0).sum()
             if grad_hidden_NC is not None or grad_weight_VC is not None:
-                # scale * (d NLL / d logits) = scale * (softmax - one_hot), in place: one pass over the chunk
-                logits_nV.mul_(scale_N[start:end, None] / sum_n1)
-                logits_nV.scatter_add_(1, safe_labels_N[start:end, None], -scale_N[start:end, None])
-                _chunk_gradients(gemms, logits_nV, hidden_op_nC, weight_op_VC, start, grad_hidden_NC, grad_weight_VC)
+                # scale * (d NLL / d logits) = scale * (softmax - one_hot) = (exp - sum * one_hot) * (scale / sum):
+                # the one-hot term in place at the labels, the scaling in the pass that rounds for the GEMMs
+                logits_nV.scatter_add_(1, safe_labels_N[start:end, None], -sum_n1)
+                _chunk_gradients(gemms, logits_nV, scale_N[start:end, None] / sum_n1, hidden_op_nC, weight_op_VC,
+                                 start, grad_hidden_NC, grad_weight_VC)
             del logits_nV  # free this chunk before the next one's matmul allocates
         ctx.save_for_backward(grad_hidden_NC, grad_weight_VC)
         ctx.dtypes = (hidden_NC.dtype, weight_VC.dtype)
@@ -162,16 +171,18 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
-def _chunk_gradients(gemms: _HeadGemms, grad_nV: torch.Tensor, hidden_op_nC: torch.Tensor, weight_op_VC: torch.Tensor,
-                     start: int, grad_hidden_NC: torch.Tensor | None, grad_weight_VC: torch.Tensor | None) -> None:
-    """One chunk's share of both gradients from its logits' gradient ``grad_nV`` (compute dtype): its rows of
-    grad_hidden, and its term of grad_weight's running sum. Where the GEMMs take the model's dtype, the gradient
-    is rounded to it half a chunk at a time: a quarter chunk of extra memory, not half."""
-    n = grad_nV.shape[0]
+def _chunk_gradients(gemms: _HeadGemms, unscaled_nV: torch.Tensor, factor_n1: torch.Tensor, hidden_op_nC: torch.Tensor,
+                     weight_op_VC: torch.Tensor, start: int, grad_hidden_NC: torch.Tensor | None,
+                     grad_weight_VC: torch.Tensor | None) -> None:
+    """One chunk's share of both gradients from its logits' gradient ``unscaled_nV * factor_n1`` (compute dtype;
+    the scaling is applied here, in the pass that rounds): its rows of grad_hidden, and its term of grad_weight's
+    running sum. Where the GEMMs take the model's dtype, the gradient is rounded to it half a chunk at a time: a
+    quarter chunk of extra memory, not half."""
+    n = unscaled_nV.shape[0]
     step = max(1, (n + 1) // 2) if gemms.rounds_gradient else n
     for sub in range(0, n, step):
         rows = slice(sub, min(sub + step, n))
-        grad_op_mV = gemms.operand(grad_nV[rows])
+        grad_op_mV = gemms.scaled_operand_(unscaled_nV[rows], factor_n1[rows])
         if grad_hidden_NC is not None:
             grad_hidden_NC[start + rows.start:start + rows.stop] = gemms.matmul(grad_op_mV, weight_op_VC)
         if grad_weight_VC is not None:
