@@ -149,18 +149,20 @@ def test_fused_flag_survives_a_state_load_from_an_unfused_run() -> None:
 
 
 def test_dataloader_workers_are_spawned_not_forked_and_pin_for_cuda(training_corpus) -> None:
-    """The run's training loader starts its workers fresh (no fork of a threaded process); the validation
-    loader has none."""
+    """The run's training loader starts its workers fresh (no fork of a threaded process) and keeps a step's
+    micro batches prepared; the validation loader has no workers; a CUDA run's loaders pin their batches."""
     from megatron_lite.training.data import prepare_training_data
     from megatron_lite.training.deepspeed_config import resolve_batch_sizes
     from training_helpers import tiny_train_config
 
     mix, cache = training_corpus
-    config = config_lib.from_dict(tiny_train_config(mix, cache, num_workers=1))
+    config = config_lib.from_dict(tiny_train_config(mix, cache, num_workers=1, gradient_accumulation_steps=5,
+                                                    train_iters=2))
     batch = resolve_batch_sizes(config, 1)
     data = prepare_training_data(config, batch, CPU, train_iters=None)
     train_loader, valid_loader = data.loaders(config, batch, CPU, consumed_samples=0)
     assert train_loader.num_workers == 1
+    assert train_loader.prefetch_factor == 5  # a step's micro batches ahead (the DataLoader's default: 2)
     assert train_loader.multiprocessing_context.get_start_method() == WORKER_START_METHOD == "spawn"
     assert valid_loader is not None and valid_loader.num_workers == 0
     assert not train_loader.pin_memory and not valid_loader.pin_memory  # no page-locked memory without a GPU

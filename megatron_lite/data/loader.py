@@ -280,14 +280,18 @@ def seed_worker(worker_id: int) -> None:
 
 
 def sample_loader(dataset: Dataset, batch_size: int, *, seed: int, rank: int, purpose: str,
-                  num_workers: int = 0, drop_last: bool = True, pin_memory: bool = False) -> DataLoader:
+                  num_workers: int = 0, drop_last: bool = True, pin_memory: bool = False,
+                  batches_ahead: int = 0) -> DataLoader:
     """Batches of ``dataset`` in order (the blend index fixed the order), complete batches only unless
     ``drop_last`` is off; iterating it draws from its own generator (``loader_generator``), never from the
     global one. ``pin_memory`` (for a CUDA device): batches in page-locked memory, so that a ``non_blocking``
-    copy to the GPU is asynchronous (from pageable memory it may wait for the GPU's queue to drain first)."""
+    copy to the GPU is asynchronous (from pageable memory it may wait for the GPU's queue to drain first).
+    ``batches_ahead``: with workers, at least this many batches prepared ahead (a step's micro batches, which
+    the loop takes at once; the DataLoader's default keeps two per worker)."""
+    prefetch = {"prefetch_factor": max(2, -(-batches_ahead // num_workers))} if num_workers else {}
     return DataLoader(dataset, batch_size=batch_size, shuffle=False, drop_last=drop_last, num_workers=num_workers,
                       persistent_workers=False, worker_init_fn=seed_worker if num_workers else None,
-                      generator=loader_generator(seed, rank, purpose), pin_memory=pin_memory)
+                      generator=loader_generator(seed, rank, purpose), pin_memory=pin_memory, **prefetch)
 
 
 def _is_index_builder(rank: int) -> bool:

@@ -56,7 +56,9 @@ class TrainingData:
             consumed_samples=consumed_samples, mix=self.mix)  # a sequence-parallel group shares its samples
         common = {"batch_size": batch.micro_batch_size, "seed": config.seed, "rank": dist_info.data_parallel_rank,
                   "pin_memory": dist_info.device.type == "cuda"}  # train_step's non_blocking copies stay async
-        train_loader = sample_loader(train_set, **common, purpose="train", num_workers=train.num_workers)
+        # a step's micro batches ready when it starts: the loop takes them at once, while the GPU is between steps
+        train_loader = sample_loader(train_set, **common, purpose="train", num_workers=train.num_workers,
+                                     batches_ahead=batch.gradient_accumulation_steps)
         if train.num_workers:
             train_loader.multiprocessing_context = WORKER_START_METHOD
         # every rank's share has the same length (padded), so the same number of batches, the last maybe short
