@@ -162,7 +162,8 @@ def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> 
     (["--schemes", "rope,nonsense"], "--schemes rope,nonsense: unknown scheme(s) nonsense"),
     (["--schemes", ","], "--schemes ,: unknown scheme(s) (none)"),
     (["--loss-gemm", "mixed,bf16"], "--loss-gemm mixed,bf16: unknown value(s) bf16"),
-    (["--compile-mode", "partial"], "--compile-mode partial: must be one of regional, whole"),
+    (["--compile-mode", "partial"], "--compile-mode partial: must be distinct values from regional, whole"),
+    (["--compile-mode", "whole,whole"], "--compile-mode whole,whole: must be distinct values from regional, whole"),
     (["--micro-batch", "0"], "--micro-batch 0: must be >= 1"),
     (["--quick", "--only", "train"], "--only train: unknown section(s) train for --quick"),
     (["--users-micro-batch", "16,x"], "--users-micro-batch 16,x: give micro batches as integers"),
@@ -190,6 +191,12 @@ def test_quick_settings_and_throughput_rows() -> None:
     runs = [(run.model, run.mode) for run in gpu_check.throughput_runs(quick)]
     assert runs == [("rope", "eager"), ("coca_slack", "eager"), ("hf_twin", "eager"),
                     ("coca_slack", "compiled"), ("rope", "compiled"), ("hf_twin", "compiled")]
+    # --compile-mode regional,whole: a rope row compiled whole after the twin's
+    modes = gpu_check_settings.parse_compile_modes("regional,whole")
+    both = gpu_check_settings.CheckSettings(out=Path("unused"), quick=True, compile_mode=modes[0],
+                                            extra_compile_modes=modes[1:])
+    runs = [(run.model, run.mode, run.compile_mode) for run in gpu_check.throughput_runs(both)]
+    assert runs[-2:] == [("hf_twin", "compiled", None), ("rope", "compiled", "whole")]
 
 
 def test_users_command_reads_metrics_and_warnings(tmp_path: Path) -> None:

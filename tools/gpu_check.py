@@ -6,7 +6,7 @@ training step; rows in OUT/gpu_check.json and OUT/gpu_check.md.
 
     python tools/gpu_check.py --out OUT [--only env,parity,...] [--force] [--smoke] [--board PATH | --repo-board | --no-board]
     python tools/gpu_check.py --quick --out OUT [--schemes rope,coca_slack] [--micro-batch 64]
-        [--compile-mode regional|whole] [--loss-gemm mixed,input_dtype]
+        [--compile-mode regional[,whole]] [--loss-gemm mixed,input_dtype]
         [--mix MIX --tokenizer TOKENIZER --vocab-size N]
 
 --quick: at most ~6 minutes on an H100 (sections env, parity, memory, throughput, users_command, sync; rope
@@ -30,8 +30,8 @@ from typing import Any
 from megatron_lite import results_board
 from megatron_lite.bench.gpu_check import load_results, run_check
 from megatron_lite.bench.gpu_check_settings import (LOSS_GEMMS, QUICK_SECTIONS, SECTIONS, CheckSettings,
-                                                    parse_loss_gemms, parse_micro_batches, parse_schemes,
-                                                    parse_sections)
+                                                    parse_compile_modes, parse_loss_gemms, parse_micro_batches,
+                                                    parse_schemes, parse_sections)
 from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.model.compile import COMPILE_MODES
 
@@ -66,8 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch", type=int, default=None,
                         help="fixed throughput micro batch, no search (halved only on out-of-memory; --quick: 64)")
     parser.add_argument("--max-batch", type=int, default=64, help="largest micro batch the throughput search tries")
-    parser.add_argument("--compile-mode", default="regional", metavar="|".join(COMPILE_MODES),
-                        help="how our model is compiled (megatron_lite.model.compile); the HF twin: model.compile()")
+    parser.add_argument("--compile-mode", default="regional", metavar="MODE,...",
+                        help=f"how our model is compiled ({', '.join(COMPILE_MODES)}; megatron_lite.model.compile): "
+                             "the first for every compiled row of ours, each further one an extra compiled rope "
+                             "throughput row; the HF twin: model.compile()")
     parser.add_argument("--loss-gemm", default="mixed", metavar="GEMM,...",
                         help=f"model.lm_head.gemm ({', '.join(LOSS_GEMMS)}): the first for every row of ours, each "
                              "further one an extra rope eager throughput row")
@@ -86,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     for flag, path in (("--mix", args.mix), ("--tokenizer", args.tokenizer)):
         if path is not None and not path.is_file():
             raise ValueError(f"{flag} {path}: no such file")
+    compile_modes = parse_compile_modes(args.compile_mode)
     settings = CheckSettings(out=args.out, sections=parse_sections(args.only, quick=args.quick), smoke=args.smoke,
                              force=args.force, quick=args.quick, schemes=parse_schemes(args.schemes),
-                             micro_batch=args.micro_batch, max_batch=args.max_batch, compile_mode=args.compile_mode,
+                             micro_batch=args.micro_batch, max_batch=args.max_batch, compile_mode=compile_modes[0],
+                             extra_compile_modes=compile_modes[1:],
                              loss_gemms=parse_loss_gemms(args.loss_gemm),
                              mix=args.mix.resolve() if args.mix else None,
                              tokenizer=args.tokenizer.resolve() if args.tokenizer else None, vocab_size=args.vocab_size,

@@ -295,6 +295,7 @@ class ThroughputRun:
     model: str  # a scheme label, or HF_TWIN (the HF model at rope's config)
     compiled: bool
     loss_gemm: str | None  # ours: model.lm_head.gemm; the HF twin: None
+    compile_mode: str | None = None  # ours compiled: megatron_lite.model.compile's mode (None: the check's first)
 
     @property
     def is_hf(self) -> bool:
@@ -304,10 +305,16 @@ class ThroughputRun:
     def mode(self) -> str:
         return "compiled" if self.compiled else "eager"
 
+    @property
+    def label(self) -> str:
+        """For progress lines: model, mode and an extra compile mode."""
+        return f"{self.model} {self.mode}" + (f" ({self.compile_mode})" if self.compile_mode else "")
+
 
 def throughput_runs(settings: CheckSettings) -> list[ThroughputRun]:
     """Eager rows first (every scheme, the extra loss-GEMM rows, the HF twin), then compiled ones (the paper's
-    schemes first, the HF twin last): a section budget cuts the most expensive rows."""
+    schemes first, then the HF twin, then rope in each extra compile mode): a section budget cuts the most
+    expensive rows, and the extra modes before the twin they are measured against."""
     schemes = list(settings.schemes or ())
     gemm, *extra_gemms = settings.loss_gemms
     timed_scheme = "rope" if "rope" in schemes else schemes[0]
@@ -316,6 +323,7 @@ def throughput_runs(settings: CheckSettings) -> list[ThroughputRun]:
     runs.append(ThroughputRun(HF_TWIN, False, None))
     runs += [ThroughputRun(label, True, gemm) for label in COMPILE_ORDER if label in schemes]
     runs.append(ThroughputRun(HF_TWIN, True, None))
+    runs += [ThroughputRun(timed_scheme, True, gemm, mode) for mode in settings.extra_compile_modes]
     return runs
 
 
@@ -354,8 +362,9 @@ def section_throughput(settings: CheckSettings, progress: Progress) -> list[dict
         config = big_config(settings, "rope" if run.is_hf else run.model, precision=precision)
         gemm = run.loss_gemm if gemm_option or run.loss_gemm is None else "n/a (no lm_head.gemm)"
         row: dict[str, Any] = {"model": run.model, "mode": run.mode, "loss_gemm": gemm}
+        compile_mode = run.compile_mode or settings.compile_mode
         if run.compiled:
-            row["compile"] = "model.compile()" if run.is_hf else settings.compile_mode
+            row["compile"] = "model.compile()" if run.is_hf else compile_mode
         try:
             skipped = _over_budget(settings, "throughput", start)
             if skipped is None and run.compiled and smoke:
@@ -365,7 +374,7 @@ def section_throughput(settings: CheckSettings, progress: Progress) -> list[dict
             if skipped is not None:
                 row["status"] = skipped
                 rows.append(row)
-                progress(f"  throughput {run.model} {run.mode}: {skipped}")
+                progress(f"  throughput {run.label}: {skipped}")
                 continue
             if settings.micro_batch is not None or smoke:
                 batch_size = settings.micro_batch or 2
@@ -383,7 +392,7 @@ def section_throughput(settings: CheckSettings, progress: Progress) -> list[dict
             while timing is None:
                 try:
                     timing = _measure(config, run.is_hf, device, run.compiled, batch_size, warmup, steps,
-                                      settings.compile_mode, run.loss_gemm)
+                                      compile_mode, run.loss_gemm)
                 except RuntimeError as error:
                     if not _is_oom(error) or batch_size == 1:
                         raise
@@ -402,7 +411,7 @@ def section_throughput(settings: CheckSettings, progress: Progress) -> list[dict
             row["status"] = f"failed: {_error_text(failure)}"
             _free(device)
         rows.append(row)
-        progress(f"  throughput {run.model} {run.mode}: {_row_summary(row)}")
+        progress(f"  throughput {run.label}: {_row_summary(row)}")
     return rows
 
 

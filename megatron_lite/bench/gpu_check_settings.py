@@ -36,6 +36,7 @@ class CheckSettings:
     micro_batch: int | None = None  # a fixed micro batch, no doubling search (None: search; quick: 64; smoke: 2)
     max_batch: int = 64  # throughput search limit (micro batch)
     compile_mode: str = "regional"  # our model's compile (megatron_lite.model.compile); the HF twin: whole
+    extra_compile_modes: list[str] = field(default_factory=list)  # each adds a compiled rope throughput row, last
     loss_gemms: list[str] = field(default_factory=lambda: ["mixed"])  # the first for every row of ours; each
     # further one adds a rope eager throughput row under it
     section_budget_s: float | None = None  # None: FULL_BUDGET_S (quick: QUICK_BUDGET_S per section)
@@ -51,8 +52,9 @@ class CheckSettings:
             self.schemes = list(QUICK_SCHEMES if self.quick else SCHEMES)
         if self.micro_batch is None and self.quick and not self.smoke:
             self.micro_batch = QUICK_MICRO_BATCH
-        if self.compile_mode not in COMPILE_MODES:
-            raise ValueError(f"--compile-mode {self.compile_mode}: must be one of {', '.join(COMPILE_MODES)}")
+        modes = [self.compile_mode, *self.extra_compile_modes]
+        if any(mode not in COMPILE_MODES for mode in modes) or len(set(modes)) != len(modes):
+            raise ValueError(f"--compile-mode {','.join(modes)}: must be distinct values from {', '.join(COMPILE_MODES)}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"--micro-batch {self.micro_batch}: must be >= 1")
         unknown = [gemm for gemm in self.loss_gemms if gemm not in LOSS_GEMMS]
@@ -88,6 +90,7 @@ class CheckSettings:
         """What the report records of these settings (beside each section's rows)."""
         return {"quick": self.quick, "smoke": self.smoke, "schemes": list(self.schemes or ()),
                 "micro_batch": self.micro_batch, "compile_mode": self.compile_mode,
+                "extra_compile_modes": list(self.extra_compile_modes),
                 "loss_gemms": list(self.loss_gemms), "users_micro_batches": self.users_micro_batches}
 
 
@@ -122,6 +125,15 @@ def parse_schemes(text: str | None) -> list[str] | None:
 def parse_loss_gemms(text: str) -> list[str]:
     """--loss-gemm a,b as model.lm_head.gemm values; an unknown one is one error line naming it."""
     return _comma_list("--loss-gemm", text, LOSS_GEMMS, "value(s)")
+
+
+def parse_compile_modes(text: str) -> list[str]:
+    """--compile-mode regional,whole: the first for every compiled row of ours, each further one an extra compiled
+    rope row; a word that is no mode is one error line naming the flag."""
+    modes = [word.strip() for word in text.split(",") if word.strip()]
+    if not modes or any(mode not in COMPILE_MODES for mode in modes) or len(set(modes)) != len(modes):
+        raise ValueError(f"--compile-mode {text}: must be distinct values from {', '.join(COMPILE_MODES)}")
+    return modes
 
 
 def parse_micro_batches(text: str | None) -> list[int] | None:
