@@ -99,6 +99,36 @@ def test_cuda_training_step_makes_no_host_sync(label: str) -> None:
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_bf16_rotation_and_block_mask_match_the_cpu() -> None:
+    """The two CUDA-only-in-practice paths written with out= and banded reductions: the bf16 rotation (forward and
+    gradient) equals the same code on the CPU to bf16 rounding, and the banded block mask equals torch's own."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from megatron_lite.model import flex
+    from megatron_lite.model.rope import rotate
+
+    generator = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 40, 4, 3 * 32, generator=generator).to(torch.bfloat16)
+    angles = torch.rand(40, 16, generator=generator, dtype=torch.float64) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    results = []
+    for device in ("cpu", "cuda"):
+        x = qkv.to(device)[..., :32].transpose(1, 2).detach().requires_grad_()
+        y = rotate(x, cos.to(device, torch.bfloat16), sin.to(device, torch.bfloat16))
+        y.backward(torch.ones_like(y))
+        results.append((y.detach().float().cpu(), x.grad.float().cpu()))
+    for cpu_value, cuda_value in zip(*results):
+        torch.testing.assert_close(cuda_value, cpu_value, rtol=2**-7, atol=2**-7)
+    positions = torch.arange(300, device="cuda")
+    ours = flex.build_block_mask(positions, positions)
+    theirs = create_block_mask(flex.causal_mask_mod(positions, positions), None, None, 300, 300, device="cuda")
+    for mine, torchs in zip(ours.as_tuple(), theirs.as_tuple()):
+        if isinstance(mine, torch.Tensor):
+            assert torch.equal(mine, torchs)
+
+
 @pytest.mark.parametrize("mode", ["regional", "whole"])
 def test_compiled_graphs_take_the_rotary_tables_as_inputs(mode: str) -> None:
     """No compiled region computes cos/sin: traced inside a whole-model graph, inductor recomputed the float64
