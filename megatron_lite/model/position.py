@@ -29,13 +29,15 @@ test oracles and the benchmark baseline, never the training path.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import opt_einsum
 import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.rope import RotaryEmbedding, RotaryTables, apply_rotary, rotate
+from megatron_lite.model.rope import (FUSED_ROTATION_DTYPES, RotaryEmbedding, RotaryTables, apply_rotary,
+                                      empty_like_layout, rotate)
 
 def alibi_slopes(num_heads: int) -> list[float]:
     """Press et al. head slopes, including non-power-of-2 head counts (official get_slopes)."""
@@ -93,6 +95,63 @@ class _SlackQuery(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         q, cos, sin = ctx.saved_tensors
         return grad * rotate(q, cos, sin) + rotate(grad * q, cos, sin, transpose=True), None, None
+
+
+class _SlackKey(torch.autograd.Function):
+    """k' = R_n [c, c] = [c (cos - sin), c (cos + sin)] with c = relu((t_i + t_{i+r/2}) / 2) per rotary pair (and
+    [c', c'] from the pass-through dims' pairs), the expression of ``CoCASlack.transform_key`` computed with the same
+    roundings, each half written once into the output. Backward, t's gradient straight from the incoming one:
+    d/dt_i = d/dt_{i+r/2} = [c > 0] (g_i (cos - sin) + g_{i+r/2} (cos + sin)) / 2, where autograd would
+    allocate and sum a zero-padded buffer per half and a gradient per product (half the bytes moved)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,  # type: ignore[override]
+                rotary_dims: int) -> torch.Tensor:
+        half = rotary_dims // 2
+        cos_h, sin_h = cos[:, :half].to(t.dtype), sin[:, :half].to(t.dtype)  # (T, r/2)
+        minus, plus = cos_h - sin_h, cos_h + sin_h
+        out = empty_like_layout(t)
+        c_rot = _pair_mean_relu(t[..., :rotary_dims])  # (B, H, T, r/2)
+        torch.mul(c_rot, minus, out=out[..., :half])
+        torch.mul(c_rot, plus, out=out[..., half:rotary_dims])
+        c_pass = None
+        if t.shape[-1] > rotary_dims:
+            c_pass = _pair_mean_relu(t[..., rotary_dims:])  # (B, H, T, (D - r)/2)
+            width = c_pass.shape[-1]
+            out[..., rotary_dims:rotary_dims + width] = c_pass
+            out[..., rotary_dims + width:] = c_pass
+        ctx.save_for_backward(c_rot, c_pass, minus, plus)
+        ctx.rotary_dims = rotary_dims
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        c_rot, c_pass, minus, plus = ctx.saved_tensors
+        rotary_dims = ctx.rotary_dims
+        half = rotary_dims // 2
+        grad_t = empty_like_layout(grad)
+        # d/dc / 2 (the pair mean's 1/2 folded into the tables, exactly): (B, H, T, r/2)
+        d_half = torch.mul(grad[..., :half], minus * 0.5).addcmul_(grad[..., half:rotary_dims], plus * 0.5)
+        _pair_mean_relu_backward(d_half, c_rot, grad_t[..., :rotary_dims])
+        if c_pass is not None:
+            width = c_pass.shape[-1]
+            d_half = torch.add(grad[..., rotary_dims:rotary_dims + width], grad[..., rotary_dims + width:]).mul_(0.5)
+            _pair_mean_relu_backward(d_half, c_pass, grad_t[..., rotary_dims:])
+        return grad_t, None, None, None
+
+
+def _pair_mean_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu((x_i + x_{i+w/2}) * 0.5) over the pairs of the last dim (w even), as ``pair_coefficients`` rounds it."""
+    width = x.shape[-1] // 2
+    return torch.add(x[..., :width], x[..., width:]).mul_(0.5).relu_()
+
+
+def _pair_mean_relu_backward(d_half: torch.Tensor, c: torch.Tensor, out: torch.Tensor) -> None:
+    """Both halves of ``out`` (the pair's two inputs) = [c > 0] * d_half (d/dc already halved), written in place."""
+    width = c.shape[-1]
+    # where, not a multiply by the mask: a non-finite gradient at a clipped pair stays 0, as relu's own backward
+    torch.where(c > 0, d_half, d_half.new_zeros(()), out=out[..., :width])
+    out[..., width:] = out[..., :width]
 
 
 def collinear_key_eq8(q_BHTD: torch.Tensor, t_BHTD: torch.Tensor) -> torch.Tensor:
@@ -207,8 +266,11 @@ class CoCASlack(_CoCA):
         return _SlackQuery.apply(q_BHTD, tables.cos, tables.sin)
 
     def transform_key(self, k_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
-        """R_n [c, c] = [c (cos - sin), c (cos + sin)] without materialising [c, c]."""
+        """R_n [c, c] = [c (cos - sin), c (cos + sin)] without materialising [c, c]; eager in bf16/fp16 as one
+        autograd function (``_SlackKey``: the same values, half the bytes moved in backward)."""
         assert tables is not None
+        if k_BHTD.dtype in FUSED_ROTATION_DTYPES and not torch.compiler.is_compiling():
+            return _SlackKey.apply(k_BHTD, tables.cos, tables.sin, self.rotary_dims)
         half = self.rotary_dims // 2
         c_rot, c_pass = pair_coefficients(k_BHTD, self.rotary_dims)  # (B, H, T, r/2)
         cos, sin = tables.cos[:, :half].to(c_rot.dtype), tables.sin[:, :half].to(c_rot.dtype)

@@ -211,7 +211,7 @@ def _rotation_expression(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
-def _empty_like_layout(x: torch.Tensor) -> torch.Tensor:
+def empty_like_layout(x: torch.Tensor) -> torch.Tensor:
     """An uninitialised tensor of x's shape and dtype with x's order of strides (x may be a slice of a fused
     projection; an elementwise operator's output would follow its layout the same way)."""
     order = sorted(range(x.dim()), key=lambda dim: -x.stride(dim))  # outermost dimension first
@@ -225,7 +225,7 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: b
     r = cos.shape[-1]
     half = r // 2
     sign = 1.0 if transpose else -1.0
-    out = _empty_like_layout(x)
+    out = empty_like_layout(x)
     x1, x2, out1, out2 = x[..., :half], x[..., half:r], out[..., :half], out[..., half:r]
     torch.mul(x1, cos[..., :half], out=out1).addcmul_(x2, sin[..., :half], value=sign)
     torch.mul(x2, cos[..., half:], out=out2).addcmul_(x1, sin[..., half:], value=-sign)
