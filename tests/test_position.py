@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import opt_einsum
 import pytest
@@ -178,38 +179,55 @@ def test_coca_gradients_match_autograd_of_the_plain_formulas(rotary_dims: int) -
     assert (grad_lean - grad_plain).abs().max() <= 1e-12
 
 
-@pytest.mark.parametrize("rotary_dims", [D, D // 2])
-def test_coca_slack_key_function_has_the_expressions_values_and_gradient(rotary_dims: int) -> None:
-    """The eager bf16 slack key (``_SlackKey``): in float64 the expression's values and gradient (gradcheck too,
-    at t values away from relu's kink); in bf16, through ``transform_key``, the expression's values bit for bit
-    and its gradient to bf16 rounding, in the layout of the QKV slot it came from."""
-    from megatron_lite.model.position import _SlackKey
+COCA_TRANSFORMS = [(CoCASlack, "transform_key"), (CoCAStrict, "transform_key"), (CoCAStrict, "transform_query")]
 
-    scheme = CoCASlack(rotary_for(rotary_dims))
+
+def coca_function_call(scheme_class: type, transform: str, rotary_dims: int, tables) -> Any:
+    """x -> the eager autograd function a bf16 ``transform`` takes, called directly (any dtype), with the tables
+    it is given there."""
+    from megatron_lite.model.position import _CollinearKey, _half_tables, _StrictQuery
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        cos, sin = _half_tables(tables, rotary_dims, x.dtype)
+        if transform == "transform_query":
+            return _StrictQuery.apply(x, cos, sin, rotary_dims)
+        first, second = (cos - sin, cos + sin) if scheme_class is CoCASlack else (cos, sin)
+        return _CollinearKey.apply(x, first, second, rotary_dims)
+
+    return call
+
+
+@pytest.mark.parametrize("rotary_dims", [D, D // 2])
+@pytest.mark.parametrize(("scheme_class", "transform"), COCA_TRANSFORMS)
+def test_coca_autograd_functions_have_the_expressions_values_and_gradients(
+        scheme_class: type, transform: str, rotary_dims: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager bf16 CoCA transforms (``_CollinearKey``, ``_StrictQuery``): in float64 the expression's values and
+    gradient (gradcheck too); in bf16, through the scheme, the bf16 expression's values bit for bit, in the layout
+    of the QKV slot they came from, and the gradient to bf16 rounding of the float64 one."""
+    from megatron_lite.model import position
+
+    scheme = scheme_class(rotary_for(rotary_dims))
     tables = tables_for(torch.arange(T), rotary_dims)
-    _, k, _ = make_inputs(7)
-    k.requires_grad_(True)
+    function = coca_function_call(scheme_class, transform, rotary_dims, tables)
+    _, x, _ = make_inputs(7)
+    x.requires_grad_(True)
     upstream = torch.randn(B, H, T, D, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
-    fused = _SlackKey.apply(k, tables.cos, tables.sin, rotary_dims)
-    expression = scheme.transform_key(k, tables)  # float64: the expression
+    fused, expression = function(x), getattr(scheme, transform)(x, tables)  # float64 takes the expression
     assert (fused - expression).abs().max() <= 1e-15
-    (grad_fused,) = torch.autograd.grad(fused, k, upstream)
-    (grad_expression,) = torch.autograd.grad(expression, k, upstream)
-    assert (grad_fused - grad_expression).abs().max() <= 1e-15
-    assert torch.autograd.gradcheck(lambda t: _SlackKey.apply(t, tables.cos, tables.sin, rotary_dims), (k,))
+    (grad_fused,) = torch.autograd.grad(fused, x, upstream)
+    (grad_expression,) = torch.autograd.grad(expression, x, upstream)
+    assert (grad_fused - grad_expression).abs().max() <= 1e-14
+    assert torch.autograd.gradcheck(function, (x,))
 
     qkv = torch.randn(B, T, H, 3 * D, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
-    k_slot = qkv[..., D:2 * D].transpose(1, 2).detach().requires_grad_()  # (B, H, T, D), as attention slices it
+    slot = qkv[..., D:2 * D].transpose(1, 2).detach().requires_grad_()  # (B, H, T, D), as attention slices it
     bf16_tables = rotary_for(rotary_dims).tables(torch.arange(T), T, torch.bfloat16)
-    out = scheme.transform_key(k_slot, bf16_tables)
-    half = rotary_dims // 2
-    cos, sin = bf16_tables.cos[:, :half], bf16_tables.sin[:, :half]
-    c_rot, c_pass = (torch.relu((part[..., :part.shape[-1] // 2] + part[..., part.shape[-1] // 2:]) * 0.5)
-                     for part in (k_slot.detach()[..., :rotary_dims], k_slot.detach()[..., rotary_dims:]))
-    by_hand = torch.cat([c_rot * (cos - sin), c_rot * (cos + sin), c_pass, c_pass], dim=-1)  # the bf16 expression
-    assert torch.equal(out, by_hand)
-    assert sorted(range(4), key=lambda d: -out.stride(d)) == sorted(range(4), key=lambda d: -k_slot.stride(d))
-    (grad_bf16,) = torch.autograd.grad(out, k_slot, upstream.to(torch.bfloat16))
-    plain = k_slot.detach().double().requires_grad_()
-    (grad_plain,) = torch.autograd.grad(scheme.transform_key(plain, tables), plain, upstream)
-    torch.testing.assert_close(grad_bf16.double(), grad_plain, rtol=2**-7, atol=2**-7)
+    out = getattr(scheme, transform)(slot, bf16_tables)
+    (grad_bf16,) = torch.autograd.grad(out, slot, upstream.to(torch.bfloat16))
+    monkeypatch.setattr(position, "_fused", lambda tensor: False)  # the bf16 expression
+    assert torch.equal(out, getattr(scheme, transform)(slot, bf16_tables))
+    assert sorted(range(4), key=lambda d: -out.stride(d)) == sorted(range(4), key=lambda d: -slot.stride(d))
+    plain = slot.detach().double().requires_grad_()
+    (grad_plain,) = torch.autograd.grad(getattr(scheme, transform)(plain, tables), plain, upstream)
+    # bf16 rounding of products that may cancel: measured against the gradient's scale
+    torch.testing.assert_close(grad_bf16.double(), grad_plain, rtol=0, atol=2**-7 * float(grad_plain.abs().max()))

@@ -20,8 +20,8 @@ counts, per phase (forward, backward, optimizer):
   which dominates small models.
 * **memory traffic of everything else** (``traffic_bytes``): the bytes each operator that is neither a GEMM, nor
   fused attention, nor a view reads and writes: its tensor inputs and outputs (an input broadcast along a dimension
-  counted once along it; an in-place operand read and written; a gather or scatter what it moves, not the whole
-  table it indexes). Those operators are memory-bound on a GPU, so this predicts the eager step's time beside
+  counted once along it; an in-place operand read and written; a fill or ``new_zeros`` only written; a gather or
+  scatter what it moves, not the whole table it indexes). Those operators are memory-bound on a GPU, so this predicts the eager step's time beside
   its GEMMs and attention; compiled, inductor fuses much of it away.
 
 The census works on whatever device the model is on. ``meta`` is the way to see the CUDA path without a
@@ -64,6 +64,8 @@ FP32 = "float32"
 # operators that move no data (allocations, aliases)
 NO_TRAFFIC_OPS = frozenset({"detach", "empty", "empty_like", "new_empty", "empty_strided", "_unsafe_view", "alias",
                             "lift_fresh"})
+FACTORY_OPS = frozenset({"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like", "zeros",
+                         "ones", "full", "fill_", "zero_"})  # write their output, read no tensor's data
 GATHER_OPS = frozenset({"gather", "index_select", "embedding", "index"})  # read about what they return
 SCATTER_OPS = frozenset({"scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", "scatter_reduce_",
                          "index_put", "index_put_", "index_add", "index_add_"})  # move about their source
@@ -199,6 +201,8 @@ def traffic_bytes(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out:
     read = (args, {key: value for key, value in kwargs.items() if key != "out"})  # out=: written, returned
     inputs = [value for value in pytree.tree_leaves(read) if isinstance(value, torch.Tensor)]
     outputs = [value for value in pytree.tree_leaves(out) if isinstance(value, torch.Tensor)]
+    if name in FACTORY_OPS:
+        return sum(map(touched_bytes, outputs))
     if name in GATHER_OPS:
         return sum(map(touched_bytes, inputs[1:])) + 2 * sum(map(touched_bytes, outputs))
     if name in SCATTER_OPS:

@@ -97,47 +97,92 @@ class _SlackQuery(torch.autograd.Function):
         return grad * rotate(q, cos, sin) + rotate(grad * q, cos, sin, transpose=True), None, None
 
 
-class _SlackKey(torch.autograd.Function):
-    """k' = R_n [c, c] = [c (cos - sin), c (cos + sin)] with c = relu((t_i + t_{i+r/2}) / 2) per rotary pair (and
-    [c', c'] from the pass-through dims' pairs), the expression of ``CoCASlack.transform_key`` computed with the same
-    roundings, each half written once into the output. Backward, t's gradient straight from the incoming one:
-    d/dt_i = d/dt_{i+r/2} = [c > 0] (g_i (cos - sin) + g_{i+r/2} (cos + sin)) / 2, where autograd would
-    allocate and sum a zero-padded buffer per half and a gradient per product (half the bytes moved)."""
+class _CollinearKey(torch.autograd.Function):
+    """Both CoCA keys, k' = [c a, c b] with c = relu((t_i + t_{i+r/2}) / 2) per rotary pair and (T, r/2) tables
+    a, b in t's dtype (slack: cos - sin, cos + sin, i.e. R_n [c, c]; strict: cos, sin, i.e. R_n [c, 0]), then [c', c']
+    from the pass-through dims' pairs: the expressions of ``transform_key`` with the same roundings, each half
+    written once into the output. Backward, t's gradient straight from the incoming one:
+    d/dt_i = d/dt_{i+r/2} = [c > 0] (g_i a + g_{i+r/2} b) / 2, where autograd would allocate and sum a zero-padded
+    buffer per half and a gradient per product (about half the bytes moved)."""
 
     @staticmethod
-    def forward(ctx: Any, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, t: torch.Tensor, first: torch.Tensor, second: torch.Tensor,  # type: ignore[override]
                 rotary_dims: int) -> torch.Tensor:
         half = rotary_dims // 2
-        cos_h, sin_h = cos[:, :half].to(t.dtype), sin[:, :half].to(t.dtype)  # (T, r/2)
-        minus, plus = cos_h - sin_h, cos_h + sin_h
         out = empty_like_layout(t)
         c_rot = _pair_mean_relu(t[..., :rotary_dims])  # (B, H, T, r/2)
-        torch.mul(c_rot, minus, out=out[..., :half])
-        torch.mul(c_rot, plus, out=out[..., half:rotary_dims])
+        torch.mul(c_rot, first, out=out[..., :half])
+        torch.mul(c_rot, second, out=out[..., half:rotary_dims])
         c_pass = None
         if t.shape[-1] > rotary_dims:
             c_pass = _pair_mean_relu(t[..., rotary_dims:])  # (B, H, T, (D - r)/2)
             width = c_pass.shape[-1]
             out[..., rotary_dims:rotary_dims + width] = c_pass
             out[..., rotary_dims + width:] = c_pass
-        ctx.save_for_backward(c_rot, c_pass, minus, plus)
+        ctx.save_for_backward(c_rot, c_pass, first, second)
         ctx.rotary_dims = rotary_dims
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        c_rot, c_pass, minus, plus = ctx.saved_tensors
+        c_rot, c_pass, first, second = ctx.saved_tensors
         rotary_dims = ctx.rotary_dims
         half = rotary_dims // 2
         grad_t = empty_like_layout(grad)
         # d/dc / 2 (the pair mean's 1/2 folded into the tables, exactly): (B, H, T, r/2)
-        d_half = torch.mul(grad[..., :half], minus * 0.5).addcmul_(grad[..., half:rotary_dims], plus * 0.5)
+        d_half = torch.mul(grad[..., :half], first * 0.5).addcmul_(grad[..., half:rotary_dims], second * 0.5)
         _pair_mean_relu_backward(d_half, c_rot, grad_t[..., :rotary_dims])
         if c_pass is not None:
             width = c_pass.shape[-1]
             d_half = torch.add(grad[..., rotary_dims:rotary_dims + width], grad[..., rotary_dims + width:]).mul_(0.5)
             _pair_mean_relu_backward(d_half, c_pass, grad_t[..., rotary_dims:])
         return grad_t, None, None, None
+
+
+class _StrictQuery(torch.autograd.Function):
+    """Strict CoCA's query, R_m [u, 0] = [u cos, u sin] with u = q_i^2 + q_{i+r/2}^2 per rotary pair, then q^2 on the
+    pass-through dims: ``CoCAStrict.transform_query``'s expression with the same roundings, each part written once.
+    Saves q (a view of the QKV output, alive anyway) and the tables; backward d/dq_i = 2 q_i (g_i cos + g_{i+r/2}
+    sin) on both members of a pair, 2 q g on the pass-through dims."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,  # type: ignore[override]
+                rotary_dims: int) -> torch.Tensor:
+        half = rotary_dims // 2
+        out = empty_like_layout(q)
+        pair_norm2 = torch.mul(q[..., :half], q[..., :half]).add_(q[..., half:rotary_dims] * q[..., half:rotary_dims])
+        torch.mul(pair_norm2, cos, out=out[..., :half])
+        torch.mul(pair_norm2, sin, out=out[..., half:rotary_dims])
+        if q.shape[-1] > rotary_dims:
+            torch.mul(q[..., rotary_dims:], q[..., rotary_dims:], out=out[..., rotary_dims:])
+        ctx.save_for_backward(q, cos, sin)
+        ctx.rotary_dims = rotary_dims
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        q, cos, sin = ctx.saved_tensors
+        rotary_dims = ctx.rotary_dims
+        half = rotary_dims // 2
+        grad_q = empty_like_layout(grad)
+        d_pair = torch.mul(grad[..., :half], cos * 2).addcmul_(grad[..., half:rotary_dims], sin * 2)  # 2 d/du
+        torch.mul(q[..., :half], d_pair, out=grad_q[..., :half])
+        torch.mul(q[..., half:rotary_dims], d_pair, out=grad_q[..., half:rotary_dims])
+        if q.shape[-1] > rotary_dims:
+            torch.mul(q[..., rotary_dims:], grad[..., rotary_dims:] * 2, out=grad_q[..., rotary_dims:])
+        return grad_q, None, None, None
+
+
+def _half_tables(tables: RotaryTables, rotary_dims: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the first half of the rotary dims (one per pair: both halves are equal), (T, r/2) in ``dtype``."""
+    half = rotary_dims // 2
+    return tables.cos[:, :half].to(dtype), tables.sin[:, :half].to(dtype)
+
+
+def _fused(x: torch.Tensor) -> bool:
+    """Whether a CoCA transform of x takes its eager autograd function (bf16/fp16, not while torch.compile traces:
+    inductor fuses the expressions itself), as ``rope.rotate`` decides."""
+    return x.dtype in FUSED_ROTATION_DTYPES and not torch.compiler.is_compiling()
 
 
 def _pair_mean_relu(x: torch.Tensor) -> torch.Tensor:
@@ -267,13 +312,12 @@ class CoCASlack(_CoCA):
 
     def transform_key(self, k_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
         """R_n [c, c] = [c (cos - sin), c (cos + sin)] without materialising [c, c]; eager in bf16/fp16 as one
-        autograd function (``_SlackKey``: the same values, half the bytes moved in backward)."""
+        autograd function (``_CollinearKey``: the same values, half the bytes moved in backward)."""
         assert tables is not None
-        if k_BHTD.dtype in FUSED_ROTATION_DTYPES and not torch.compiler.is_compiling():
-            return _SlackKey.apply(k_BHTD, tables.cos, tables.sin, self.rotary_dims)
-        half = self.rotary_dims // 2
+        cos, sin = _half_tables(tables, self.rotary_dims, k_BHTD.dtype)
+        if _fused(k_BHTD):
+            return _CollinearKey.apply(k_BHTD, cos - sin, cos + sin, self.rotary_dims)
         c_rot, c_pass = pair_coefficients(k_BHTD, self.rotary_dims)  # (B, H, T, r/2)
-        cos, sin = tables.cos[:, :half].to(c_rot.dtype), tables.sin[:, :half].to(c_rot.dtype)
         parts = [c_rot * (cos - sin), c_rot * (cos + sin)]
         if c_pass is not None:
             parts += [c_pass, c_pass]
@@ -291,22 +335,29 @@ class CoCAStrict(_CoCA):
     """Paper Eq. 10 via Eq. 18: score(m, n) = sum_j c_{n,j} |q_{m,j}|^2 cos((m - n) theta_j)."""
 
     def transform_query(self, q_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
+        """R_m [u, 0] = [u cos, u sin]; eager in bf16/fp16 as one autograd function (``_StrictQuery``)."""
         assert tables is not None
         half = self.rotary_dims // 2
+        cos, sin = _half_tables(tables, self.rotary_dims, q_BHTD.dtype)
+        if _fused(q_BHTD):
+            return _StrictQuery.apply(q_BHTD, cos, sin, self.rotary_dims)
         q_first, q_second = q_BHTD[..., :half], q_BHTD[..., half : self.rotary_dims]
         pair_norm2 = q_first * q_first + q_second * q_second  # (B, H, T, r/2): u_j = |q_pair_j|^2
         # R_m [u, 0] = [u cos, u sin]; pass-through dims contribute q_i^2 t_i.
-        parts = [pair_norm2 * tables.cos[:, :half].to(q_BHTD.dtype), pair_norm2 * tables.sin[:, :half].to(q_BHTD.dtype)]
+        parts = [pair_norm2 * cos, pair_norm2 * sin]
         if q_BHTD.shape[-1] > self.rotary_dims:
             q_pass = q_BHTD[..., self.rotary_dims :]
             parts.append(q_pass * q_pass)
         return cat_heads_last(parts)
 
     def transform_key(self, k_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
+        """R_n [c, 0] = [c cos, c sin]; eager in bf16/fp16 as one autograd function (``_CollinearKey``)."""
         assert tables is not None
-        half = self.rotary_dims // 2
+        cos, sin = _half_tables(tables, self.rotary_dims, k_BHTD.dtype)
+        if _fused(k_BHTD):
+            return _CollinearKey.apply(k_BHTD, cos, sin, self.rotary_dims)
         c_rot, c_pass = pair_coefficients(k_BHTD, self.rotary_dims)  # (B, H, T, r/2) one per rotary pair
-        parts = [c_rot * tables.cos[:, :half].to(c_rot.dtype), c_rot * tables.sin[:, :half].to(c_rot.dtype)]  # R_n [c, 0]
+        parts = [c_rot * cos, c_rot * sin]  # R_n [c, 0]
         if c_pass is not None:
             parts += [c_pass, c_pass]
         return cat_heads_last(parts)
