@@ -179,17 +179,20 @@ def test_coca_gradients_match_autograd_of_the_plain_formulas(rotary_dims: int) -
     assert (grad_lean - grad_plain).abs().max() <= 1e-12
 
 
-COCA_TRANSFORMS = [(CoCASlack, "transform_key"), (CoCAStrict, "transform_key"), (CoCAStrict, "transform_query")]
+COCA_TRANSFORMS = [(CoCASlack, "transform_query"), (CoCASlack, "transform_key"), (CoCAStrict, "transform_key"),
+                   (CoCAStrict, "transform_query")]
 
 
 def coca_function_call(scheme_class: type, transform: str, rotary_dims: int, tables) -> Any:
     """x -> the eager autograd function a bf16 ``transform`` takes, called directly (any dtype), with the tables
     it is given there."""
-    from megatron_lite.model.position import _CollinearKey, _half_tables, _StrictQuery
+    from megatron_lite.model.position import _CollinearKey, _half_tables, _SlackQuery, _StrictQuery
 
     def call(x: torch.Tensor) -> torch.Tensor:
         cos, sin = _half_tables(tables, rotary_dims, x.dtype)
         if transform == "transform_query":
+            if scheme_class is CoCASlack:  # every dtype: its backward never rebuilds R q
+                return _SlackQuery.apply(x, tables.cos, tables.sin)
             return _StrictQuery.apply(x, cos, sin, rotary_dims)
         first, second = (cos - sin, cos + sin) if scheme_class is CoCASlack else (cos, sin)
         return _CollinearKey.apply(x, first, second, rotary_dims)
@@ -201,9 +204,10 @@ def coca_function_call(scheme_class: type, transform: str, rotary_dims: int, tab
 @pytest.mark.parametrize(("scheme_class", "transform"), COCA_TRANSFORMS)
 def test_coca_autograd_functions_have_the_expressions_values_and_gradients(
         scheme_class: type, transform: str, rotary_dims: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The eager bf16 CoCA transforms (``_CollinearKey``, ``_StrictQuery``): in float64 the expression's values and
-    gradient (gradcheck too); in bf16, through the scheme, the bf16 expression's values bit for bit, in the layout
-    of the QKV slot they came from, and the gradient to bf16 rounding of the float64 one."""
+    """The CoCA transforms' autograd functions (``_CollinearKey`` and ``_StrictQuery`` eager in bf16, ``_SlackQuery``
+    always): in float64 the expression's values and gradient (gradcheck too); in bf16, through the scheme, the
+    bf16 expression's values bit for bit, in the layout of the QKV slot they came from, and the gradient to bf16
+    rounding of the float64 one."""
     from megatron_lite.model import position
 
     scheme = scheme_class(rotary_for(rotary_dims))

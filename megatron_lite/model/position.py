@@ -83,8 +83,9 @@ def cat_heads_last(parts: list[torch.Tensor]) -> torch.Tensor:
 
 class _SlackQuery(torch.autograd.Function):
     """q' = q * R q. Autograd would save R q (a new (B, H, T, D) tensor); this saves only q, a view of
-    the QKV output that the kernel keeps alive anyway, and recomputes R q in backward:
-    d/dq (q * R q)^T g = g * R q + R^T (g * q)."""
+    the QKV output that the kernel keeps alive anyway. Backward, d/dq (q * R q)^T g = g * R q + R^T (g * q),
+    written out per rotary pair (cos c and sin s shared by its two members) so that R q is never rebuilt:
+    (2 c g1 q1 + s q2 (g2 - g1), 2 c g2 q2 + s q1 (g2 - g1)), and 2 g q on the pass-through dims."""
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -94,7 +95,23 @@ class _SlackQuery(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         q, cos, sin = ctx.saved_tensors
-        return grad * rotate(q, cos, sin) + rotate(grad * q, cos, sin, transpose=True), None, None
+        rotary_dims = cos.shape[-1]
+        half = rotary_dims // 2
+        c, s = _half_tables(RotaryTables(cos, sin), rotary_dims, q.dtype)  # (T, r/2)
+        q1, q2, g1, g2 = q[..., :half], q[..., half:rotary_dims], grad[..., :half], grad[..., half:rotary_dims]
+        s_dg = (g2 - g1).mul_(s)  # (B, H, T, r/2)
+        two_c = c * 2
+        if torch.compiler.is_compiling():  # traced: expressions inductor fuses (dynamo takes no out= into a slice)
+            parts = [g1 * q1 * two_c + q2 * s_dg, g2 * q2 * two_c + q1 * s_dg]
+            if rotary_dims < q.shape[-1]:
+                parts.append(grad[..., rotary_dims:] * q[..., rotary_dims:] * 2)
+            return torch.cat(parts, dim=-1), None, None
+        grad_q = empty_like_layout(grad)
+        torch.mul(g1, q1, out=grad_q[..., :half]).mul_(two_c).addcmul_(q2, s_dg)
+        torch.mul(g2, q2, out=grad_q[..., half:rotary_dims]).mul_(two_c).addcmul_(q1, s_dg)
+        if rotary_dims < q.shape[-1]:
+            torch.mul(grad[..., rotary_dims:], q[..., rotary_dims:], out=grad_q[..., rotary_dims:]).mul_(2)
+        return grad_q, None, None
 
 
 class _CollinearKey(torch.autograd.Function):
