@@ -164,6 +164,7 @@ def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> 
     (["--loss-gemm", "mixed,bf16"], "--loss-gemm mixed,bf16: unknown value(s) bf16"),
     (["--compile-mode", "partial"], "--compile-mode partial: must be distinct values from regional, whole"),
     (["--compile-mode", "whole,whole"], "--compile-mode whole,whole: must be distinct values from regional, whole"),
+    (["--compile-mode", ","], "--compile-mode ,: must be distinct values from regional, whole"),
     (["--micro-batch", "0"], "--micro-batch 0: must be >= 1"),
     (["--quick", "--only", "train"], "--only train: unknown section(s) train for --quick"),
     (["--users-micro-batch", "16,x"], "--users-micro-batch 16,x: give micro batches as integers"),

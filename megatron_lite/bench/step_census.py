@@ -19,10 +19,11 @@ counts, per phase (forward, backward, optimizer):
   view launches no kernel): about the kernels an eager CUDA step launches, so its host-side launch overhead,
   which dominates small models.
 * **memory traffic of everything else** (``traffic_bytes``): the bytes each operator that is neither a GEMM, nor
-  fused attention, nor a view reads and writes: its tensor inputs and outputs (an input broadcast along a dimension
-  counted once along it; an in-place operand read and written; a fill or ``new_zeros`` only written; a gather or
-  scatter what it moves, not the whole table it indexes). Those operators are memory-bound on a GPU, so this predicts the eager step's time beside
-  its GEMMs and attention; compiled, inductor fuses much of it away.
+  fused attention, nor a view reads and writes: its tensor inputs and outputs (an input broadcast along a
+  dimension counted once along it; an in-place operand read and written; an ``out=`` operand, a fill or
+  ``new_zeros`` only written; a gather or scatter what it moves, not the whole table it indexes). Those
+  operators are memory-bound on a GPU, so this predicts the eager step's time beside its GEMMs and attention;
+  compiled, inductor fuses much of it away.
 
 The census works on whatever device the model is on. ``meta`` is the way to see the CUDA path without a
 GPU: nothing is computed, shapes flow, and code that branches on the device type can take its non-CPU
@@ -195,7 +196,7 @@ def touched_bytes(tensor: torch.Tensor) -> int:
 
 def traffic_bytes(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
     """Bytes one memory-bound operator reads and writes (module docstring): its tensor inputs and outputs; a gather
-    its indices and twice what it returns, a scatter its indices and twice its source."""
+    its indices and twice what it returns; a scatter twice its indices and source (read, then written at them)."""
     if name in NO_TRAFFIC_OPS:
         return 0
     read = (args, {key: value for key, value in kwargs.items() if key != "out"})  # out=: written, returned
