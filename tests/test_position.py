@@ -189,7 +189,7 @@ def coca_function_call(scheme_class: type, transform: str, rotary_dims: int, tab
     from megatron_lite.model.position import _CollinearKey, _half_tables, _SlackQuery, _StrictQuery
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        cos, sin = _half_tables(tables, rotary_dims, x.dtype)
+        cos, sin = _half_tables(tables.cos, tables.sin, rotary_dims, x.dtype)
         if transform == "transform_query":
             if scheme_class is CoCASlack:  # every dtype: its backward never rebuilds R q
                 return _SlackQuery.apply(x, tables.cos, tables.sin)
@@ -228,7 +228,7 @@ def test_coca_autograd_functions_have_the_expressions_values_and_gradients(
     bf16_tables = rotary_for(rotary_dims).tables(torch.arange(T), T, torch.bfloat16)
     out = getattr(scheme, transform)(slot, bf16_tables)
     (grad_bf16,) = torch.autograd.grad(out, slot, upstream.to(torch.bfloat16))
-    monkeypatch.setattr(position, "_fused", lambda tensor: False)  # the bf16 expression
+    monkeypatch.setattr(position, "eager_kernels", lambda tensor: False)  # the bf16 expression
     assert torch.equal(out, getattr(scheme, transform)(slot, bf16_tables))
     assert sorted(range(4), key=lambda d: -out.stride(d)) == sorted(range(4), key=lambda d: -slot.stride(d))
     plain = slot.detach().double().requires_grad_()

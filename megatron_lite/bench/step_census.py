@@ -63,8 +63,8 @@ HOST_TO_DEVICE = "copy cpu->device"
 PHASES = ("forward", "backward", "optimizer")
 FP32 = "float32"
 # operators that move no data (allocations, aliases)
-NO_TRAFFIC_OPS = frozenset({"detach", "empty", "empty_like", "new_empty", "empty_strided", "_unsafe_view", "alias",
-                            "lift_fresh"})
+NO_TRAFFIC_OPS = frozenset({"detach", "empty", "empty_like", "new_empty", "empty_strided", "empty_permuted",
+                            "_unsafe_view", "alias", "lift_fresh"})
 FACTORY_OPS = frozenset({"new_zeros", "new_ones", "new_full", "zeros_like", "ones_like", "full_like", "zeros",
                          "ones", "full", "fill_", "zero_"})  # write their output, read no tensor's data
 GATHER_OPS = frozenset({"gather", "index_select", "embedding", "index"})  # read about what they return

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from megatron_lite.config import ModelConfig
-from megatron_lite.model.rope import (FUSED_ROTATION_DTYPES, RotaryEmbedding, RotaryTables, apply_rotary,
-                                      empty_like_layout, rotate)
+from megatron_lite.model.rope import (RotaryEmbedding, RotaryTables, apply_rotary, eager_kernels, empty_like_layout,
+                                      rotate)
 
 def alibi_slopes(num_heads: int) -> list[float]:
     """Press et al. head slopes, including non-power-of-2 head counts (official get_slopes)."""
@@ -97,7 +97,7 @@ class _SlackQuery(torch.autograd.Function):
         q, cos, sin = ctx.saved_tensors
         rotary_dims = cos.shape[-1]
         half = rotary_dims // 2
-        c, s = _half_tables(RotaryTables(cos, sin), rotary_dims, q.dtype)  # (T, r/2)
+        c, s = _half_tables(cos, sin, rotary_dims, q.dtype)  # (T, r/2)
         q1, q2, g1, g2 = q[..., :half], q[..., half:rotary_dims], grad[..., :half], grad[..., half:rotary_dims]
         s_dg = (g2 - g1).mul_(s)  # (B, H, T, r/2)
         two_c = c * 2
@@ -190,16 +190,11 @@ class _StrictQuery(torch.autograd.Function):
         return grad_q, None, None, None
 
 
-def _half_tables(tables: RotaryTables, rotary_dims: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _half_tables(cos: torch.Tensor, sin: torch.Tensor, rotary_dims: int, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the first half of the rotary dims (one per pair: both halves are equal), (T, r/2) in ``dtype``."""
     half = rotary_dims // 2
-    return tables.cos[:, :half].to(dtype), tables.sin[:, :half].to(dtype)
-
-
-def _fused(x: torch.Tensor) -> bool:
-    """Whether a CoCA transform of x takes its eager autograd function (bf16/fp16, not while torch.compile traces:
-    inductor fuses the expressions itself), as ``rope.rotate`` decides."""
-    return x.dtype in FUSED_ROTATION_DTYPES and not torch.compiler.is_compiling()
+    return cos[:, :half].to(dtype), sin[:, :half].to(dtype)
 
 
 def _pair_mean_relu(x: torch.Tensor) -> torch.Tensor:
@@ -331,8 +326,8 @@ class CoCASlack(_CoCA):
         """R_n [c, c] = [c (cos - sin), c (cos + sin)] without materialising [c, c]; eager in bf16/fp16 as one
         autograd function (``_CollinearKey``: the same values, half the bytes moved in backward)."""
         assert tables is not None
-        cos, sin = _half_tables(tables, self.rotary_dims, k_BHTD.dtype)
-        if _fused(k_BHTD):
+        cos, sin = _half_tables(tables.cos, tables.sin, self.rotary_dims, k_BHTD.dtype)
+        if eager_kernels(k_BHTD):
             return _CollinearKey.apply(k_BHTD, cos - sin, cos + sin, self.rotary_dims)
         c_rot, c_pass = pair_coefficients(k_BHTD, self.rotary_dims)  # (B, H, T, r/2)
         parts = [c_rot * (cos - sin), c_rot * (cos + sin)]
@@ -355,8 +350,8 @@ class CoCAStrict(_CoCA):
         """R_m [u, 0] = [u cos, u sin]; eager in bf16/fp16 as one autograd function (``_StrictQuery``)."""
         assert tables is not None
         half = self.rotary_dims // 2
-        cos, sin = _half_tables(tables, self.rotary_dims, q_BHTD.dtype)
-        if _fused(q_BHTD):
+        cos, sin = _half_tables(tables.cos, tables.sin, self.rotary_dims, q_BHTD.dtype)
+        if eager_kernels(q_BHTD):
             return _StrictQuery.apply(q_BHTD, cos, sin, self.rotary_dims)
         q_first, q_second = q_BHTD[..., :half], q_BHTD[..., half : self.rotary_dims]
         pair_norm2 = q_first * q_first + q_second * q_second  # (B, H, T, r/2): u_j = |q_pair_j|^2
@@ -370,8 +365,8 @@ class CoCAStrict(_CoCA):
     def transform_key(self, k_BHTD: torch.Tensor, tables: RotaryTables | None) -> torch.Tensor:
         """R_n [c, 0] = [c cos, c sin]; eager in bf16/fp16 as one autograd function (``_CollinearKey``)."""
         assert tables is not None
-        cos, sin = _half_tables(tables, self.rotary_dims, k_BHTD.dtype)
-        if _fused(k_BHTD):
+        cos, sin = _half_tables(tables.cos, tables.sin, self.rotary_dims, k_BHTD.dtype)
+        if eager_kernels(k_BHTD):
             return _CollinearKey.apply(k_BHTD, cos, sin, self.rotary_dims)
         c_rot, c_pass = pair_coefficients(k_BHTD, self.rotary_dims)  # (B, H, T, r/2) one per rotary pair
         parts = [c_rot * cos, c_rot * sin]  # R_n [c, 0]

@@ -35,7 +35,7 @@ from megatron_lite.config import RopeScalingConfig
 
 Device = torch.device | str | None
 TABLE_CACHE_SIZE = 8  # (frequencies, start, length, device, dtype) entries; a run uses one or two
-FUSED_ROTATION_DTYPES = (torch.bfloat16, torch.float16)  # ``rotate``'s eager two-pass rotation
+FUSED_ROTATION_DTYPES = (torch.bfloat16, torch.float16)  # the eager autograd functions' dtypes (``eager_kernels``)
 
 
 def base_inv_freq(rotary_dims: int, base: float, device: Device = None) -> torch.Tensor:
@@ -196,9 +196,15 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: boo
     keep the expression, bit for bit what the Hugging Face file computes. Under torch.compile the expression is
     traced: inductor fuses it into one kernel either way."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    if x.dtype not in FUSED_ROTATION_DTYPES or torch.compiler.is_compiling():
-        return _rotation_expression(x, cos, sin, transpose)
-    return _Rotation.apply(x, cos, sin, transpose)
+    if eager_kernels(x):
+        return _Rotation.apply(x, cos, sin, transpose)
+    return _rotation_expression(x, cos, sin, transpose)
+
+
+def eager_kernels(x: torch.Tensor) -> bool:
+    """Whether a position transform of x takes its eager autograd function (the rotation here, the CoCA transforms in
+    ``position``): bf16/fp16, and not while torch.compile traces (inductor fuses the plain expressions itself)."""
+    return x.dtype in FUSED_ROTATION_DTYPES and not torch.compiler.is_compiling()
 
 
 def _rotation_expression(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool) -> torch.Tensor:
@@ -215,8 +221,7 @@ def empty_like_layout(x: torch.Tensor) -> torch.Tensor:
     """An uninitialised tensor of x's shape and dtype with x's order of strides (x may be a slice of a fused
     projection; an elementwise operator's output would follow its layout the same way)."""
     order = sorted(range(x.dim()), key=lambda dim: -x.stride(dim))  # outermost dimension first
-    allocated = torch.empty([x.shape[dim] for dim in order], dtype=x.dtype, device=x.device)
-    return allocated.permute([order.index(dim) for dim in range(x.dim())])
+    return torch.empty_permuted(x.shape, order, dtype=x.dtype, device=x.device)
 
 
 def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool) -> torch.Tensor:
