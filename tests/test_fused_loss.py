@@ -123,6 +123,30 @@ def test_compiled_fullgraph_equals_eager() -> None:
     assert_results_close(run(compiled, hidden, weight, labels), expected, rtol=1e-6, atol=1e-7)
 
 
+def test_compiled_head_is_written_for_inductor() -> None:
+    """Traced by torch.compile the head scatters nothing into the logits (the eager chunk's in-place passes,
+    functionalised, became a second (n, V) buffer and a scatter fallback) and makes one GEMM per gradient per
+    chunk (eager bf16 rounds half a chunk at a time: five); bf16 results as the eager head's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    forward_graphs: list[torch.fx.GraphModule] = []
+
+    def record(graph: torch.fx.GraphModule, _: object) -> Callable[..., object]:
+        forward_graphs.append(graph)
+        return make_boxed_func(graph.forward)
+
+    torch._dynamo.reset()
+    hidden, weight, labels = inputs(50, 97, 24, torch.bfloat16, ignored=6)  # 4 chunks of 16
+    expected = run(fused(16), hidden, weight, labels)
+    backend = aot_autograd(fw_compiler=record, bw_compiler=lambda graph, _: make_boxed_func(graph.forward))
+    got = run(torch.compile(fused(16), fullgraph=True, backend=backend), hidden, weight, labels)
+    ops = [str(node.target) for node in forward_graphs[0].graph.nodes if node.op == "call_function"]
+    assert sum(op.startswith(("aten.mm", "aten.addmm")) for op in ops) == 3 * 4, ops
+    assert not [op for op in ops if "scatter" in op and "slice_scatter" not in op], ops  # slices: grad_hidden rows
+    assert_results_close(got, expected, rtol=2e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize("chunk_tokens", [0, -4, 2.5, True])
 def test_invalid_chunk_tokens_is_a_value_error(chunk_tokens: object) -> None:
     hidden, weight, labels = inputs(4, 8, 4)

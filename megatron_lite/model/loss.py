@@ -25,10 +25,13 @@ the gradients' sums are float32 in every mode, float64 for float64 inputs):
                GEMMs, off the tensor cores unless TF32 is on; the reference the other two are measured against.
 
 float32 models run float32 GEMMs in every mode. grad_hidden is produced per chunk, grad_weight sums over every
-chunk, both in float32, scaled by the loss's gradient and cast to their inputs' dtypes once, in backward. The
-gradient is rounded half a chunk at a time, so its low-precision copy adds a quarter of a chunk's float32
-logits, about what the fp32 mode's float32 weight copy took. Under ``torch.no_grad`` (evaluation), or for an
-input that does not require grad, that gradient is not computed.
+chunk, both in float32, scaled by the loss's gradient and cast to their inputs' dtypes once, in backward. Run
+eagerly, each chunk is worked on in place in its one float32 buffer and the gradient rounded half a chunk at a
+time, so its low-precision copy adds a quarter of a chunk's float32 logits, about what the fp32 mode's float32
+weight copy took. Traced by torch.compile (regional or whole), the chunk is written functionally instead, for
+inductor to fuse: a log-sum-exp reduction and one kernel writing the whole chunk's rounded gradient (half a chunk
+more, one GEMM per gradient per chunk); in-place passes would be functionalised into a second float32 buffer.
+Under ``torch.no_grad`` (evaluation), or for an input that does not require grad, that gradient is not computed.
 
 ``LMHead`` is the model's output layer: its forward returns logits, or the loss when given labels.
 The weight is read inside the head's own forward, so DeepSpeed ZeRO-3 (which gathers a module's
@@ -142,20 +145,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                           else None)
         grad_weight_VC = (torch.zeros(weight_VC.shape, dtype=dtype, device=weight_VC.device) if grad_weight_wanted
                           else None)
+        # traced by torch.compile: functional, for inductor to fuse; eager: in place, one (n, V) buffer per chunk
+        chunk_step = _traced_chunk if torch.compiler.is_compiling() else _eager_chunk
         for start, end in _chunk_bounds(hidden_NC.shape[0], chunk_tokens):
             hidden_op_nC = gemms.operand(hidden_NC[start:end])
             logits_nV = gemms.matmul(hidden_op_nC, weight_op_VC.t())  # (n, V) compute dtype
-            target_n = logits_nV.gather(1, safe_labels_N[start:end, None]).squeeze(1)
-            max_n1 = _exp_shifted_(logits_nV)  # logits_nV now exp(logits - rowmax)
-            sum_n1 = logits_nV.sum(dim=1, keepdim=True)
-            total = total + torch.where(valid_N[start:end], sum_n1.squeeze(1).log() + max_n1.squeeze(1) - target_n,
-                                        0).sum()
-            if grad_hidden_NC is not None or grad_weight_VC is not None:
-                # scale * (d NLL / d logits) = scale * (softmax - one_hot) = (exp - sum * one_hot) * (scale / sum):
-                # the one-hot term in place at the labels, the scaling in the pass that rounds for the GEMMs
-                logits_nV.scatter_add_(1, safe_labels_N[start:end, None], -sum_n1)
-                _chunk_gradients(gemms, logits_nV, scale_N[start:end, None] / sum_n1, hidden_op_nC, weight_op_VC,
-                                 start, grad_hidden_NC, grad_weight_VC)
+            total = total + chunk_step(gemms, logits_nV, safe_labels_N[start:end], valid_N[start:end],
+                                       scale_N[start:end], hidden_op_nC, weight_op_VC, start, grad_hidden_NC,
+                                       grad_weight_VC)
             del logits_nV  # free this chunk before the next one's matmul allocates
         ctx.save_for_backward(grad_hidden_NC, grad_weight_VC)
         ctx.dtypes = (hidden_NC.dtype, weight_VC.dtype)
@@ -169,6 +166,46 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_hidden = None if grad_hidden_NC is None else (grad_hidden_NC * grad_loss).to(hidden_dtype)
         grad_weight = None if grad_weight_VC is None else (grad_weight_VC * grad_loss).to(weight_dtype)
         return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _eager_chunk(gemms: _HeadGemms, logits_nV: torch.Tensor, labels_n: torch.Tensor, valid_n: torch.Tensor,
+                 scale_n: torch.Tensor, hidden_op_nC: torch.Tensor, weight_op_VC: torch.Tensor, start: int,
+                 grad_hidden_NC: torch.Tensor | None, grad_weight_VC: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's summed loss, and its share of the gradients where wanted, in place over ``logits_nV``: the
+    chunk's only (n, V) buffer in the compute dtype, plus half a chunk in the model's dtype for the GEMMs."""
+    target_n = logits_nV.gather(1, labels_n[:, None]).squeeze(1)
+    max_n1 = _exp_shifted_(logits_nV)  # logits_nV now exp(logits - rowmax)
+    sum_n1 = logits_nV.sum(dim=1, keepdim=True)
+    loss = torch.where(valid_n, sum_n1.squeeze(1).log() + max_n1.squeeze(1) - target_n, 0).sum()
+    if grad_hidden_NC is not None or grad_weight_VC is not None:
+        # scale * (d NLL / d logits) = scale * (softmax - one_hot) = (exp - sum * one_hot) * (scale / sum):
+        # the one-hot term in place at the labels, the scaling in the pass that rounds for the GEMMs
+        logits_nV.scatter_add_(1, labels_n[:, None], -sum_n1)
+        _chunk_gradients(gemms, logits_nV, scale_n[:, None] / sum_n1, hidden_op_nC, weight_op_VC, start,
+                         grad_hidden_NC, grad_weight_VC)
+    return loss
+
+
+def _traced_chunk(gemms: _HeadGemms, logits_nV: torch.Tensor, labels_n: torch.Tensor, valid_n: torch.Tensor,
+                  scale_n: torch.Tensor, hidden_op_nC: torch.Tensor, weight_op_VC: torch.Tensor, start: int,
+                  grad_hidden_NC: torch.Tensor | None, grad_weight_VC: torch.Tensor | None) -> torch.Tensor:
+    """``_eager_chunk``'s results written for inductor: no in-place op on the logits (functionalised, the eager
+    chunk's in-place passes became a second (n, V) buffer and a scatter fallback) but a log-sum-exp reduction and
+    one elementwise kernel that writes the gradient already scaled, one-hot subtracted and rounded for the GEMMs.
+    The logits are read twice, the gradient written once; one GEMM per gradient per chunk."""
+    lse_n = torch.logsumexp(logits_nV, dim=1)
+    target_n = logits_nV.gather(1, labels_n[:, None]).squeeze(1)
+    loss = torch.where(valid_n, lse_n - target_n, 0).sum()
+    if grad_hidden_NC is None and grad_weight_VC is None:
+        return loss
+    one_hot_nV = torch.arange(logits_nV.shape[1], device=logits_nV.device) == labels_n[:, None]
+    grad_op_nV = gemms.operand((torch.exp(logits_nV - lse_n[:, None]) - one_hot_nV.to(logits_nV.dtype))
+                               * scale_n[:, None])
+    if grad_hidden_NC is not None:
+        grad_hidden_NC[start:start + logits_nV.shape[0]] = gemms.matmul(grad_op_nV, weight_op_VC)
+    if grad_weight_VC is not None:
+        gemms.add_matmul(grad_weight_VC, grad_op_nV.t(), hidden_op_nC)
+    return loss
 
 
 def _chunk_gradients(gemms: _HeadGemms, unscaled_nV: torch.Tensor, factor_n1: torch.Tensor, hidden_op_nC: torch.Tensor,
