@@ -150,3 +150,11 @@ def test_compiled_graphs_take_the_rotary_tables_as_inputs(mode: str) -> None:
     called = {str(node.target) for graph in graphs for node in graph.graph.nodes if node.op in ("call_function",
                                                                                                 "call_method")}
     assert not {name for name in called if "cos" in name or "sin" in name}, sorted(called)
+
+
+@pytest.mark.parametrize("label", SCHEMES)
+def test_qkv_gradient_is_written_once(label: str) -> None:
+    """dq, dk and dv reach the fused projection's gradient in one pass (unbind's stack, in its layout): a split's
+    backward wrote them (B, H, T, 3D) with ``cat`` and copied that again to (B, T, 3C) with ``clone``."""
+    backward = meta_steps(label)[0].phases["backward"].traffic
+    assert "stack" in backward and not {"cat", "clone"} & set(backward), dict(backward)

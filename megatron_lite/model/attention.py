@@ -238,8 +238,10 @@ class SelfAttention(AttentionKernel):
         self, x_BTC: torch.Tensor, scheme: PositionScheme, ctx: PositionContext, cache: LayerCache | None = None
     ) -> torch.Tensor:
         batch, length, _ = x_BTC.shape
-        qkv = self.query_key_value(x_BTC).view(batch, length, self.num_heads, 3 * self.head_dim)
-        q_BHTD, k_BHTD, v_BHTD = qkv.transpose(1, 2).split(self.head_dim, dim=-1)
+        qkv_BTH3D = self.query_key_value(x_BTC).view(batch, length, self.num_heads, 3, self.head_dim)
+        # unbind, not split along D: its backward stacks dq, dk, dv straight into the projection's contiguous
+        # (B, T, H, 3, D) gradient; a split's cat came out (B, H, T, 3D) and took a second copy to (B, T, 3C)
+        q_BHTD, k_BHTD, v_BHTD = (slot_BTHD.transpose(1, 2) for slot_BTHD in qkv_BTH3D.unbind(dim=3))
         out_BHTD = self.attend(q_BHTD, k_BHTD, v_BHTD, scheme, ctx, cache)
         return self.dense(out_BHTD.transpose(1, 2).reshape(batch, length, self.num_heads * self.head_dim))
 
