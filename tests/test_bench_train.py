@@ -81,9 +81,9 @@ def test_cli_settings(monkeypatch: pytest.MonkeyPatch) -> None:
         run_cpu_comparison(TrainBenchSettings(**TINY, compile_schemes=["bogus"]), progress=lambda line: None)
 
 
-def test_census_and_compile_time_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    """--census and --compile-time reach their settings and skip the throughput comparison (the runs themselves:
-    tests/test_step_census.py)."""
+def test_predictor_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--census, --compiled-bytes and --compile-time reach their settings and skip the throughput comparison (the
+    runs themselves: tests/test_step_census.py)."""
     from megatron_lite.bench import predictors
 
     cli = load_script("tools/bench_train.py")
@@ -97,12 +97,19 @@ def test_census_and_compile_time_flags(monkeypatch: pytest.MonkeyPatch, capsys: 
         seen["compile_time"] = settings
         return {"settings": settings.__dict__, "rows": [], "ratios": {}}
 
+    def compiled_bytes(settings: object, progress: object) -> list:
+        seen["compiled_bytes"] = settings
+        return []
+
     monkeypatch.setattr(predictors, "run_census", census)
+    monkeypatch.setattr(predictors, "run_compiled_bytes", compiled_bytes)
     monkeypatch.setattr(predictors, "run_compile_time", compile_time)
     monkeypatch.setattr(predictors, "format_census", lambda rows, settings: "census table\n")
     monkeypatch.setattr(cli, "run_cpu_comparison", lambda *args, **kwargs: pytest.fail("throughput ran"))
     assert cli.main(["--census", "--census-devices", "meta", "--census-gemm", "mixed", "fp32", "--compile-time",
-                     "--compile-layers", "2", "--compile-backend", "eager", "--compile-modes", "whole,regional"]) == 0
+                     "--compile-layers", "2", "--compile-backend", "eager", "--compile-modes", "whole,regional",
+                     "--compiled-bytes", "--compiled-bytes-schemes", "coca_strict", "--compiled-bytes-batch-size", "3"]) == 0
+    assert (seen["compiled_bytes"].schemes, seen["compiled_bytes"].batch_size) == (["coca_strict"], 3)
     assert seen["census"].devices == ["meta"] and seen["census"].gemms == ["mixed", "fp32"]
     assert seen["census"].precision == "bf16" and seen["census"].schemes == ["rope", "coca_slack", "coca_strict", "alibi"]
     compile_settings = seen["compile_time"]
@@ -111,5 +118,7 @@ def test_census_and_compile_time_flags(monkeypatch: pytest.MonkeyPatch, capsys: 
     assert "census table" in capsys.readouterr().out
     assert cli.main(["--compile-time", "--compile-modes", "whole,bogus"]) == 2  # one error line, nothing run
     assert cli.main(["--census", "--census-devices", "tpu"]) == 2
+    assert cli.main(["--compiled-bytes", "--compiled-bytes-batch-size", "0"]) == 2
     errors = capsys.readouterr().err
     assert "--compile-modes 'whole,bogus'" in errors and "--census-devices 'tpu'" in errors
+    assert "--compiled-bytes-batch-size 0" in errors

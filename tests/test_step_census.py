@@ -1,7 +1,8 @@
 """The step census (megatron_lite/bench/step_census.py) counts known tiny cases exactly: GEMM FLOPs by
 operand dtype, SDPA FLOPs apart, sync-class operations (item, nonzero, host-to-device copies), per phase;
 census_bench's table for our schemes and the HF twin on meta; compile_time's worker at toy size with the
-dynamo-only "eager" backend (the inductor comparison itself is a benchmark, not a test)."""
+dynamo-only "eager" backend (the inductor comparison itself is a benchmark, not a test); compiled_bytes'
+inductor count at toy size."""
 
 from __future__ import annotations
 
@@ -154,3 +155,24 @@ def test_compile_time_worker_at_toy_size() -> None:
               "rows": [{**summary, "mode": mode} for mode in ("whole", "regional")]}
     report = format_compile_time(result)
     assert "first step whole / regional: 4.00x wall, 3.50x CPU time (target >= 3x: PASS)" in report
+
+
+@pytest.mark.slow
+def test_compiled_bytes_per_layer_and_rest() -> None:
+    """Inductor's count, whole-model compiles of the tiny model at one and two layers, ours and the HF twin: every
+    figure positive, one block's bytes within a factor of two of the twin's block (same GEMMs, same fused
+    elementwise work), the table and ratio lines printed."""
+    from megatron_lite.bench.compiled_bytes import CompiledBytesSettings, format_compiled_bytes, run_compiled_bytes
+
+    config_path = str(Path(__file__).parents[1] / "configs/tiny/rope.yml")
+    settings = CompiledBytesSettings(config_path=config_path, schemes=["rope"], batch_size=1, depths=(1, 2))
+    rows = run_compiled_bytes(settings, progress=lambda line: None)
+    ours, twin = rows
+    assert (ours["model"], twin["model"]) == ("ours", HF_TWIN)
+    for row in rows:
+        assert row["layer_bytes_per_token"] > 0 and row["layer_kernels"] >= 1 and row["rest_bytes_per_token"] > 0
+    assert 0.5 < ours["layer_bytes_per_token"] / twin["layer_bytes_per_token"] < 2
+    report = format_compiled_bytes(rows, settings)
+    assert "| ours | rope |" in report and f"rope / {HF_TWIN}: per layer" in report
+    with pytest.raises(ValueError, match="depths"):
+        CompiledBytesSettings(depths=(2, 2)).validate()

@@ -1,6 +1,6 @@
 """tools/bench_train.py's flags for the CPU figures that predict the GPU: ``--census`` (census_bench.py over
-step_census.py) and ``--compile-time`` (compile_time.py). Each prints its table and ratios from one run;
-``--json`` writes both results."""
+step_census.py), ``--compiled-bytes`` (compiled_bytes.py) and ``--compile-time`` (compile_time.py). Each prints
+its table and ratios from one run; ``--json`` writes the results."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ import json
 import sys
 
 from megatron_lite.bench.census_bench import CENSUS_DEVICES, CENSUS_SCHEMES, CensusSettings, format_census, run_census
+from megatron_lite.bench.compiled_bytes import (
+    COMPILED_BYTES_SCHEMES,
+    CompiledBytesSettings,
+    format_compiled_bytes,
+    run_compiled_bytes,
+)
 from megatron_lite.bench.compile_time import MODES, CompileTimeSettings, format_compile_time, run_compile_time
 
 LOSS_GEMMS = ("mixed", "input_dtype", "fp32")
@@ -36,6 +42,15 @@ def add_predictor_arguments(parser: argparse.ArgumentParser) -> None:
                         help="loss-head GEMM modes counted for our models (default: the model's own)")
     census.add_argument("--census-precision", default="bf16", choices=("bf16", "fp16", "fp32"))
     census.add_argument("--census-optimizer", action="store_true", help="count the AdamW step too (reported apart)")
+    compiled = parser.add_argument_group("compiled step traffic (--compiled-bytes)")
+    compiled.add_argument("--compiled-bytes", action="store_true",
+                          help="print inductor's bytes per token of the compiled block and of the rest (embedding, "
+                               "head, loss), ours vs the HF twin, from whole-model compiles at two depths on CPU")
+    compiled_defaults = CompiledBytesSettings()
+    compiled.add_argument("--compiled-bytes-config", default=compiled_defaults.config_path)
+    compiled.add_argument("--compiled-bytes-schemes", default=",".join(COMPILED_BYTES_SCHEMES),
+                          help="our schemes measured")
+    compiled.add_argument("--compiled-bytes-batch-size", type=int, default=compiled_defaults.batch_size)
     compile_time = parser.add_argument_group("compile time (--compile-time)")
     compile_time.add_argument("--compile-time", action="store_true",
                               help="time the first step and the compiled step, compile_model whole vs regional, "
@@ -79,9 +94,18 @@ def compile_time_settings(args: argparse.Namespace) -> CompileTimeSettings:
                                repeats=args.compile_repeats, threads=args.compile_threads)
 
 
+def compiled_bytes_settings(args: argparse.Namespace) -> CompiledBytesSettings:
+    settings = CompiledBytesSettings(config_path=args.compiled_bytes_config, batch_size=args.compiled_bytes_batch_size,
+                                     schemes=_names(args.compiled_bytes_schemes, CENSUS_SCHEMES,
+                                                    "--compiled-bytes-schemes"))
+    settings.validate()
+    return settings
+
+
 def predictor_mode(args: argparse.Namespace) -> int:
-    """--census and/or --compile-time: tables on stdout, progress on stderr, both results to --json."""
+    """--census, --compiled-bytes and/or --compile-time: tables on stdout, progress on stderr, results to --json."""
     census = census_settings(args) if args.census else None  # every flag checked before anything runs
+    compiled_bytes = compiled_bytes_settings(args) if args.compiled_bytes else None
     compile_time = compile_time_settings(args) if args.compile_time else None
     if compile_time is not None:
         compile_time.overrides()  # an unknown --compile-scheme stops here
@@ -91,9 +115,13 @@ def predictor_mode(args: argparse.Namespace) -> int:
         rows = run_census(census, progress)
         print(format_census(rows, census), end="")
         output["census"] = {"settings": census.__dict__, "rows": rows}
+    if compiled_bytes is not None:
+        rows = run_compiled_bytes(compiled_bytes, progress)
+        print(("\n" if output else "") + format_compiled_bytes(rows, compiled_bytes), end="")
+        output["compiled_bytes"] = {"settings": compiled_bytes.__dict__, "rows": rows}
     if compile_time is not None:
         result = run_compile_time(compile_time, progress)
-        print(("\n" if census is not None else "") + format_compile_time(result), end="")
+        print(("\n" if output else "") + format_compile_time(result), end="")
         output["compile_time"] = result
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
