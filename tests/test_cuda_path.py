@@ -84,6 +84,28 @@ def test_cuda_mixed_head_matches_the_float32_operand_head() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_compiled_head_matches_the_eager_head() -> None:
+    """The head as torch.compile traces it (functional chunks, aten::mm.dtype under inductor, one GEMM per gradient
+    per chunk) against the eager head on the same GPU: the loss to float32 rounding, the gradients to bf16's."""
+    from megatron_lite.bench.loss_precision import HeadSettings, head_inputs
+    from megatron_lite.model.loss import chunked_cross_entropy
+
+    hidden, weight, labels = head_inputs(HeadSettings(tokens=1024, hidden=256, vocab=4096, chunk_tokens=300), "cuda")
+    torch._dynamo.reset()
+    results = []
+    for head in (chunked_cross_entropy, torch.compile(chunked_cross_entropy, fullgraph=True)):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss = head(h, w, labels, 300)
+        loss.backward()
+        results.append((loss.detach(), h.grad.float(), w.grad.float()))
+    (eager_loss, *eager_grads), (compiled_loss, *compiled_grads) = results
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=1e-5, atol=1e-5)
+    for got, want in zip(compiled_grads, eager_grads):
+        assert float((got - want).norm() / want.norm()) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("label", SCHEMES)
 def test_cuda_training_step_makes_no_host_sync(label: str) -> None:
     """The meta-device check's claim on a real GPU: torch's sync debug mode raises on any synchronising call."""
