@@ -56,7 +56,9 @@ class CompiledBytesSettings:
 @contextlib.contextmanager
 def inductor_counting() -> Iterator[Any]:
     """While active, inductor counts the bytes of every graph it compiles (``metrics.num_bytes_accessed``, from
-    zero) and compiles every graph afresh (no FX-graph or autograd cache hit, which would skip the count)."""
+    zero) and compiles every graph afresh (no FX-graph or autograd cache hit, which would skip the count), in
+    this process (``compile_threads=1``: the count is the same, and a small model compiles in half the time
+    without starting the compile-worker pool)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.compile_fx as compile_fx
     import torch._inductor.config as inductor_config
@@ -68,7 +70,8 @@ def inductor_counting() -> Iterator[Any]:
     log.addHandler(handler)
     log.propagate = False
     try:
-        with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        with inductor_config.patch(fx_graph_cache=False, compile_threads=1), \
+                functorch_config.patch(enable_autograd_cache=False):
             torch._dynamo.reset()
             metrics.reset()
             yield metrics
