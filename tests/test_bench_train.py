@@ -108,7 +108,8 @@ def test_predictor_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capture
     monkeypatch.setattr(cli, "run_cpu_comparison", lambda *args, **kwargs: pytest.fail("throughput ran"))
     assert cli.main(["--census", "--census-devices", "meta", "--census-gemm", "mixed", "fp32", "--compile-time",
                      "--compile-layers", "2", "--compile-backend", "eager", "--compile-modes", "whole,regional",
-                     "--compiled-bytes", "--compiled-bytes-schemes", "coca_strict", "--compiled-bytes-batch-size", "3"]) == 0
+                     "--compiled-bytes", "--compiled-bytes-schemes", "coca_strict",
+                     "--compiled-bytes-batch-size", "3"]) == 0
     assert (seen["compiled_bytes"].schemes, seen["compiled_bytes"].batch_size) == (["coca_strict"], 3)
     assert seen["census"].devices == ["meta"] and seen["census"].gemms == ["mixed", "fp32"]
     assert seen["census"].precision == "bf16" and seen["census"].schemes == ["rope", "coca_slack", "coca_strict", "alibi"]

@@ -5,11 +5,11 @@ Each model is compiled whole (ours ``compile_model(model, "whole")``, the twin's
 ``torch.compile``) at two depths, and one training step (forward, loss, backward; no optimizer) runs on CPU.
 Inductor's scheduler counts, for every kernel it generates and every extern call (the GEMMs), the bytes of the
 buffers the kernel reads and writes, each buffer once per kernel: the fused kernel's ideal (a reduction that
-re-reads its input is counted once). The
-difference between the two depths, per layer and token, is one compiled block's traffic; what the shallower
-model has beyond its blocks is the rest (embedding, final norm, LM head and loss). At equal GEMM FLOPs the
-compiled step's time beside its GEMMs follows these bytes. float32, because inductor's C++ backend fails to
-compile the block in bf16 on CPU: a bf16 run moves about half the bytes, in the same proportions.
+re-reads its input is counted once). The difference between the two depths, per layer and token, is one
+compiled block's traffic; what the shallower model has beyond its blocks is the rest (embedding, final norm, LM
+head and loss). At equal GEMM FLOPs the compiled step's time beside its GEMMs follows these bytes. float32,
+because inductor's C++ backend fails to compile the block in bf16 on CPU: a bf16 run moves about half the
+bytes, in the same proportions.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_lite import config as config_lib
+from megatron_lite.bench.census_bench import HF_TWIN
 from megatron_lite.bench.train_bench import hf_gpt_neox
 from megatron_lite.config import Config
 from megatron_lite.model import GPT
 from megatron_lite.model.compile import compile_model
 from megatron_lite.model.variants import variant_named
 
-HF_TWIN = "hf_gpt_neox"
 COMPILED_BYTES_SCHEMES = ("rope", "coca_slack")
 
 
