@@ -253,3 +253,30 @@ def test_each_chunks_logits_are_made_once_and_no_gradient_is_computed_without_gr
     hidden.grad = None
     assert _gemms_in(lambda: chunked_cross_entropy(hidden, frozen, labels, 16).backward()) == 2 * 4
     torch.testing.assert_close(hidden.grad, run(plain, hidden, weight, labels)[1], rtol=1e-5, atol=1e-6)
+
+
+class _OutputShapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records (operator name, output shape) of every dispatched operator that returns one tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.ops.append((func.overloadpacket.__name__, tuple(out.shape)))
+        return out
+
+
+def test_weight_gradient_sum_starts_from_the_first_product() -> None:
+    """No zeroed (V, C) buffer for grad_weight: the first chunk's product is the running sum and each later
+    chunk's is added to it in place (4 chunks: one mm, three addmm_), with the plain path's result."""
+    hidden, weight, labels = inputs(50, 97, 24, ignored=3)  # 50 tokens in chunks of 16: 4 chunks
+    with _OutputShapes() as recorder:
+        loss = chunked_cross_entropy(hidden, weight, labels, 16)
+    weight_shaped = [name for name, shape in recorder.ops if shape == (97, 24)]
+    assert not {"zeros", "zero_", "fill_", "new_zeros"} & set(weight_shaped), weight_shaped
+    assert weight_shaped.count("addmm_") == 3, weight_shaped
+    loss.backward()
+    torch.testing.assert_close(weight.grad, run(plain, hidden, weight, labels)[2], rtol=1e-5, atol=1e-6)

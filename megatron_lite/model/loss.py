@@ -109,6 +109,26 @@ class _HeadGemms:
         return total.add_(self.matmul(a, b))
 
 
+class _WeightGradientSum:
+    """grad_weight's running sum over the chunks in the compute dtype: the first product itself, each later one
+    added in place, so no zeroed (V, C) buffer is written and read again to add the first product to."""
+
+    def __init__(self, gemms: _HeadGemms) -> None:
+        self.gemms = gemms
+        self.total_VC: torch.Tensor | None = None
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """total += a @ b."""
+        self.total_VC = (self.gemms.matmul(a, b) if self.total_VC is None
+                         else self.gemms.add_matmul(self.total_VC, a, b))
+
+    def result(self, like_VC: torch.Tensor) -> torch.Tensor:
+        """The sum; zeros shaped as ``like_VC`` where no chunk was added (no tokens)."""
+        if self.total_VC is None:
+            return torch.zeros(like_VC.shape, dtype=self.gemms.compute_dtype, device=like_VC.device)
+        return self.total_VC
+
+
 def _chunk_bounds(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     """Static (start, end) per chunk: a Python loop torch.compile unrolls."""
     return [(start, min(start + chunk_tokens, num_tokens)) for start in range(0, num_tokens, chunk_tokens)]
@@ -143,8 +163,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # in the compute dtype until backward scales them and casts each once
         grad_hidden_NC = (torch.empty(hidden_NC.shape, dtype=dtype, device=hidden_NC.device) if grad_hidden_wanted
                           else None)
-        grad_weight_VC = (torch.zeros(weight_VC.shape, dtype=dtype, device=weight_VC.device) if grad_weight_wanted
-                          else None)
+        grad_weight_sum = _WeightGradientSum(gemms) if grad_weight_wanted else None
         # traced by torch.compile: functional, for inductor to fuse; eager: in place, one (n, V) buffer per chunk
         chunk_step = _traced_chunk if torch.compiler.is_compiling() else _eager_chunk
         for start, end in _chunk_bounds(hidden_NC.shape[0], chunk_tokens):
@@ -152,8 +171,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             logits_nV = gemms.matmul(hidden_op_nC, weight_op_VC.t())  # (n, V) compute dtype
             total = total + chunk_step(gemms, logits_nV, safe_labels_N[start:end], valid_N[start:end],
                                        scale_N[start:end], hidden_op_nC, weight_op_VC, start, grad_hidden_NC,
-                                       grad_weight_VC)
+                                       grad_weight_sum)
             del logits_nV  # free this chunk before the next one's matmul allocates
+        grad_weight_VC = None if grad_weight_sum is None else grad_weight_sum.result(weight_VC)
         ctx.save_for_backward(grad_hidden_NC, grad_weight_VC)
         ctx.dtypes = (hidden_NC.dtype, weight_VC.dtype)
         # all ignored gives 0/0 = nan, as F.cross_entropy does
@@ -170,25 +190,25 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
 def _eager_chunk(gemms: _HeadGemms, logits_nV: torch.Tensor, labels_n: torch.Tensor, valid_n: torch.Tensor,
                  scale_n: torch.Tensor, hidden_op_nC: torch.Tensor, weight_op_VC: torch.Tensor, start: int,
-                 grad_hidden_NC: torch.Tensor | None, grad_weight_VC: torch.Tensor | None) -> torch.Tensor:
+                 grad_hidden_NC: torch.Tensor | None, grad_weight_sum: _WeightGradientSum | None) -> torch.Tensor:
     """One chunk's summed loss, and its share of the gradients where wanted, in place over ``logits_nV``: the
     chunk's only (n, V) buffer in the compute dtype, plus half a chunk in the model's dtype for the GEMMs."""
     target_n = logits_nV.gather(1, labels_n[:, None]).squeeze(1)
     max_n1 = _exp_shifted_(logits_nV)  # logits_nV now exp(logits - rowmax)
     sum_n1 = logits_nV.sum(dim=1, keepdim=True)
     loss = torch.where(valid_n, sum_n1.squeeze(1).log() + max_n1.squeeze(1) - target_n, 0).sum()
-    if grad_hidden_NC is not None or grad_weight_VC is not None:
+    if grad_hidden_NC is not None or grad_weight_sum is not None:
         # scale * (d NLL / d logits) = scale * (softmax - one_hot) = (exp - sum * one_hot) * (scale / sum):
         # the one-hot term in place at the labels, the scaling in the pass that rounds for the GEMMs
         logits_nV.scatter_add_(1, labels_n[:, None], -sum_n1)
         _chunk_gradients(gemms, logits_nV, scale_n[:, None] / sum_n1, hidden_op_nC, weight_op_VC, start,
-                         grad_hidden_NC, grad_weight_VC)
+                         grad_hidden_NC, grad_weight_sum)
     return loss
 
 
 def _traced_chunk(gemms: _HeadGemms, logits_nV: torch.Tensor, labels_n: torch.Tensor, valid_n: torch.Tensor,
                   scale_n: torch.Tensor, hidden_op_nC: torch.Tensor, weight_op_VC: torch.Tensor, start: int,
-                  grad_hidden_NC: torch.Tensor | None, grad_weight_VC: torch.Tensor | None) -> torch.Tensor:
+                  grad_hidden_NC: torch.Tensor | None, grad_weight_sum: _WeightGradientSum | None) -> torch.Tensor:
     """``_eager_chunk``'s results written for inductor: no in-place op on the logits (functionalised, the eager
     chunk's in-place passes became a second (n, V) buffer and a scatter fallback) but a log-sum-exp reduction and
     one elementwise kernel that writes the gradient already scaled, one-hot subtracted and rounded for the GEMMs.
@@ -196,21 +216,21 @@ def _traced_chunk(gemms: _HeadGemms, logits_nV: torch.Tensor, labels_n: torch.Te
     lse_n = torch.logsumexp(logits_nV, dim=1)
     target_n = logits_nV.gather(1, labels_n[:, None]).squeeze(1)
     loss = torch.where(valid_n, lse_n - target_n, 0).sum()
-    if grad_hidden_NC is None and grad_weight_VC is None:
+    if grad_hidden_NC is None and grad_weight_sum is None:
         return loss
     one_hot_nV = torch.arange(logits_nV.shape[1], device=logits_nV.device) == labels_n[:, None]
     grad_op_nV = gemms.operand((torch.exp(logits_nV - lse_n[:, None]) - one_hot_nV.to(logits_nV.dtype))
                                * scale_n[:, None])
     if grad_hidden_NC is not None:
         grad_hidden_NC[start:start + logits_nV.shape[0]] = gemms.matmul(grad_op_nV, weight_op_VC)
-    if grad_weight_VC is not None:
-        gemms.add_matmul(grad_weight_VC, grad_op_nV.t(), hidden_op_nC)
+    if grad_weight_sum is not None:
+        grad_weight_sum.add(grad_op_nV.t(), hidden_op_nC)
     return loss
 
 
 def _chunk_gradients(gemms: _HeadGemms, unscaled_nV: torch.Tensor, factor_n1: torch.Tensor, hidden_op_nC: torch.Tensor,
                      weight_op_VC: torch.Tensor, start: int, grad_hidden_NC: torch.Tensor | None,
-                     grad_weight_VC: torch.Tensor | None) -> None:
+                     grad_weight_sum: _WeightGradientSum | None) -> None:
     """One chunk's share of both gradients from its logits' gradient ``unscaled_nV * factor_n1`` (compute dtype;
     the scaling is applied here, in the pass that rounds): its rows of grad_hidden, and its term of grad_weight's
     running sum. Where the GEMMs take the model's dtype, the gradient is rounded to it half a chunk at a time: a
@@ -222,8 +242,8 @@ def _chunk_gradients(gemms: _HeadGemms, unscaled_nV: torch.Tensor, factor_n1: to
         grad_op_mV = gemms.scaled_operand_(unscaled_nV[rows], factor_n1[rows])
         if grad_hidden_NC is not None:
             grad_hidden_NC[start + rows.start:start + rows.stop] = gemms.matmul(grad_op_mV, weight_op_VC)
-        if grad_weight_VC is not None:
-            gemms.add_matmul(grad_weight_VC, grad_op_mV.t(), hidden_op_nC[rows])
+        if grad_weight_sum is not None:
+            grad_weight_sum.add(grad_op_mV.t(), hidden_op_nC[rows])
         del grad_op_mV
 
 
