@@ -221,11 +221,19 @@ def _traced_chunk(gemms: _HeadGemms, logits_nV: torch.Tensor, labels_n: torch.Te
     one_hot_nV = torch.arange(logits_nV.shape[1], device=logits_nV.device) == labels_n[:, None]
     grad_op_nV = gemms.operand((torch.exp(logits_nV - lse_n[:, None]) - one_hot_nV.to(logits_nV.dtype))
                                * scale_n[:, None])
-    if grad_hidden_NC is not None:
-        grad_hidden_NC[start:start + logits_nV.shape[0]] = gemms.matmul(grad_op_nV, weight_op_VC)
-    if grad_weight_sum is not None:
-        grad_weight_sum.add(grad_op_nV.t(), hidden_op_nC)
+    _gradient_gemms(gemms, grad_op_nV, weight_op_VC, hidden_op_nC, start, grad_hidden_NC, grad_weight_sum)
     return loss
+
+
+def _gradient_gemms(gemms: _HeadGemms, grad_op_mV: torch.Tensor, weight_op_VC: torch.Tensor,
+                    hidden_op_mC: torch.Tensor, row_start: int, grad_hidden_NC: torch.Tensor | None,
+                    grad_weight_sum: _WeightGradientSum | None) -> None:
+    """The two GEMMs of m rows' logit gradient ``grad_op_mV`` (operand dtype): grad_hidden's rows from ``row_start``,
+    and their term of grad_weight's running sum."""
+    if grad_hidden_NC is not None:
+        grad_hidden_NC[row_start:row_start + grad_op_mV.shape[0]] = gemms.matmul(grad_op_mV, weight_op_VC)
+    if grad_weight_sum is not None:
+        grad_weight_sum.add(grad_op_mV.t(), hidden_op_mC)
 
 
 def _chunk_gradients(gemms: _HeadGemms, unscaled_nV: torch.Tensor, factor_n1: torch.Tensor, hidden_op_nC: torch.Tensor,
@@ -240,10 +248,8 @@ def _chunk_gradients(gemms: _HeadGemms, unscaled_nV: torch.Tensor, factor_n1: to
     for sub in range(0, n, step):
         rows = slice(sub, min(sub + step, n))
         grad_op_mV = gemms.scaled_operand_(unscaled_nV[rows], factor_n1[rows])
-        if grad_hidden_NC is not None:
-            grad_hidden_NC[start + rows.start:start + rows.stop] = gemms.matmul(grad_op_mV, weight_op_VC)
-        if grad_weight_sum is not None:
-            grad_weight_sum.add(grad_op_mV.t(), hidden_op_nC[rows])
+        _gradient_gemms(gemms, grad_op_mV, weight_op_VC, hidden_op_nC[rows], start + rows.start, grad_hidden_NC,
+                        grad_weight_sum)
         del grad_op_mV
 
 
