@@ -156,7 +156,7 @@ def test_dry_run_of_every_phase_from_a_bundle_on_a_bare_node(tiny_bundle: Path, 
     assert mix.count("type: megatron") == 2 and str(out / "data/bundle") in mix
     tables = (out / "tables.md").read_text()
     assert "# CoCA speedrun (dry run at toy size)" in tables and "## Probe and budget" in tables
-    assert "## Extrapolation while training" in tables
+    assert "## Extrapolation while training" in tables and "### When would the ratio reach 2?" in tables
     (row,) = results_board.read_rows(tmp_path / "board.md", results_board.REPRODUCTIONS)
     assert (row["kind"], row["run"], row["length"]) == ("dry-run", "reproduce gpu-speedrun", "32")
     for scheme in schemes:  # windows 32 ... 128: 1x and 4x evaluated, 32x not

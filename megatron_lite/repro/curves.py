@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_lite.eval.report import format_ppl, markdown_table, pyplot
-
-RATIO_PREFIX = "extrapolation_ratio_x"
+from megatron_lite.repro import break_forecast
+from megatron_lite.repro.break_forecast import RATIO_PREFIX
 
 
 def model_curves(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -24,9 +24,7 @@ def model_curves(results: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
 
 def ratio_multiples(curves: dict[str, list[dict[str, Any]]]) -> list[int]:
     """The window multiples (> 1) with a ratio under the models' own scaling."""
-    suffixes = {key.removeprefix(RATIO_PREFIX) for rows in curves.values() for row in rows for key in row
-                if key.startswith(RATIO_PREFIX)}
-    return sorted(int(suffix) for suffix in suffixes if suffix.isdigit())
+    return break_forecast.ratio_multiples([row for rows in curves.values() for row in rows])
 
 
 def _ratio(row: dict[str, Any] | None, multiple: int) -> str:
@@ -61,7 +59,21 @@ def curve_section(results: dict[str, Any]) -> str | None:
             "xK/x1 > 1 means the context past the training length hurts (RoPE's break, where it appears), < 1 that "
             f"it helps. {len(seconds)} evaluations, {sum(seconds):,.1f} s in all (not counted as training time). "
             "Every window and scaling is in results.json (`training.<model>.extrapolation_curve`) and "
-            "extrapolation_curves.png.\n\n" + markdown_table(header, body))
+            "extrapolation_curves.png.\n\n" + markdown_table(header, body) + "\n\n" + _forecast_section(curves, labels))
+
+
+def _forecast_section(curves: dict[str, list[dict[str, Any]]], labels: dict[str, str]) -> str:
+    """Each model's power-law forecast of when its ratio reaches 2 (megatron_lite.repro.break_forecast)."""
+    threshold = break_forecast.DEFAULT_THRESHOLD
+    header = ["model", *break_forecast.forecast_header(threshold)]
+    body = [[labels[name], *cells] for name, rows in curves.items()
+            for cells in break_forecast.forecast_table_rows(break_forecast.forecast(rows))]
+    return ("### When would the ratio reach 2?\n\n"
+            f"ratio - 1 fitted as a power of tokens seen (least squares in log-log space, evaluations after the first "
+            f"{break_forecast.DEFAULT_FIT_FROM_FRACTION:.0%} of the tokens with a ratio > 1; `tools/forecast_break.py`), "
+            f"continued to a ratio of {threshold:g}: an extrapolation of a noisy curve, a hypothesis for the next run "
+            f"to test, not a measurement; no projection where R^2 < {break_forecast.MIN_R_SQUARED:g}.\n\n"
+            + markdown_table(header, body))
 
 
 def plot_curves(results: dict[str, Any], path: Path) -> bool:
