@@ -43,10 +43,10 @@ def test_the_fit_recovers_a_power_law_and_its_crossing() -> None:
     crossing = fit.tokens_to_reach(2.0)  # 2e-6 * t^0.8 = 1
     assert crossing == pytest.approx((1 / 2e-6) ** (1 / 0.8), rel=1e-6)
     assert PowerLaw(1.0, -0.5, 1.0, 5).tokens_to_reach(2.0) is None  # a shrinking excess never gets there
-    assert fit_power_law([1, 2], [0.1, 0.2]) is None  # too few points
-    assert fit_power_law([5, 5, 5], [0.1, 0.2, 0.3]) is None  # one token count: no slope
+    assert fit_power_law([1, 2, 3], [0.1, 0.2, 0.3]) is None  # too few points
+    assert fit_power_law([5, 5, 5, 5], [0.1, 0.2, 0.3, 0.4]) is None  # one token count: no slope
     with pytest.raises(ValueError, match="must be > 0"):
-        fit_power_law([1, 2, 3], [0.1, 0.0, 0.3])
+        fit_power_law([1, 2, 3, 4], [0.1, 0.0, 0.3, 0.4])
 
 
 def test_a_window_forecast_projects_leaves_out_warm_up_and_prefers_an_observed_crossing() -> None:

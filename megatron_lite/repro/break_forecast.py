@@ -25,7 +25,7 @@ from typing import Any
 RATIO_PREFIX = "extrapolation_ratio_x"
 DEFAULT_THRESHOLD = 2.0
 DEFAULT_FIT_FROM_FRACTION = 0.1
-MIN_POINTS = 3
+MIN_POINTS = 4
 MIN_R_SQUARED = 0.5
 
 
