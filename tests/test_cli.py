@@ -40,6 +40,7 @@ def bad_arguments(script: str, tmp_path: Path) -> tuple[list[str], str]:
         "tools/generate.py": ([missing], missing),
         "tools/gpu_check.py": (["--only", "nonsense", "--out", missing], "nonsense"),
         "tools/fetch_wheels.py": (["--out", str(tmp_path / "wheels"), "--constraints", missing], missing),
+        "tools/forecast_break.py": ([missing], missing),
         "tools/reproduce.py": (["--books", missing, "--eval-books", missing, "--out", str(tmp_path / "out")], missing),
     }.get(script, ([*CONFIG, *BAD_KEY], "unknown config key train.no_such_key"))
 
