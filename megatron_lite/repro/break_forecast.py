@@ -183,7 +183,8 @@ def load_curves(path: Path) -> dict[str, list[dict[str, Any]]]:
         models = data.get("training", data) if isinstance(data, dict) else None
         if not isinstance(models, dict):
             raise ValueError(f"{path}: expected a results.json or a JSON object of models")
-        curves = {name: info.get("extrapolation_curve") or [] for name, info in models.items() if isinstance(info, dict)}
+        curves = {name: info.get("extrapolation_curve") or [] for name, info in models.items()
+                  if isinstance(info, dict)}
     found = {name: rows for name, rows in curves.items() if rows}
     if not found:
         raise ValueError(f"{path}: no in-training extrapolation evaluations (train.extrapolation_eval was off?)")

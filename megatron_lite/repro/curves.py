@@ -69,8 +69,9 @@ def _forecast_section(curves: dict[str, list[dict[str, Any]]], labels: dict[str,
     body = [[labels[name], *cells] for name, rows in curves.items()
             for cells in break_forecast.forecast_table_rows(break_forecast.forecast(rows))]
     return ("### When would the ratio reach 2?\n\n"
-            f"ratio - 1 fitted as a power of tokens seen (least squares in log-log space, evaluations after the first "
-            f"{break_forecast.DEFAULT_FIT_FROM_FRACTION:.0%} of the tokens with a ratio > 1; `tools/forecast_break.py`), "
+            "ratio - 1 fitted as a power of tokens seen (least squares in log-log space, evaluations after the first "
+            f"{break_forecast.DEFAULT_FIT_FROM_FRACTION:.0%} of the tokens with a ratio > 1; "
+            "`tools/forecast_break.py`), "
             f"continued to a ratio of {threshold:g}: an extrapolation of a noisy curve, a hypothesis for the next run "
             f"to test, not a measurement; no projection where R^2 < {break_forecast.MIN_R_SQUARED:g}.\n\n"
             + markdown_table(header, body))
