@@ -20,8 +20,8 @@ from pathlib import Path
 
 from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.eval.report import markdown_table
-from megatron_lite.repro.break_forecast import (DEFAULT_FIT_FROM_FRACTION, DEFAULT_THRESHOLD, forecast,
-                                                forecast_header, forecast_table_rows, load_curves)
+from megatron_lite.repro.break_forecast import (DEFAULT_FIT_FROM_FRACTION, DEFAULT_THRESHOLD, WindowForecast,
+                                                forecast, forecast_header, forecast_table_rows, load_curves)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    reports: dict[str, list] = {}
+    reports: dict[str, list[WindowForecast]] = {}
     for path in args.runs:
         for name, rows in load_curves(path).items():
             label = name if len(args.runs) == 1 else f"{path}: {name}"
