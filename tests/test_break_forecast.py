@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from script_loading import load_script
 
 from megatron_lite.repro.break_forecast import (MIN_R_SQUARED, PowerLaw, fit_power_law, forecast, forecast_window,
                                                 load_curves)
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _tool() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("forecast_break", ROOT / "tools" / "forecast_break.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _rows(law: PowerLaw, tokens: list[int], multiple: int = 16, wobble: float = 0.0) -> list[dict]:
@@ -105,7 +94,7 @@ def test_curves_load_from_a_run_dir_a_metrics_file_and_a_results_json(tmp_path: 
 
 def test_the_tool_prints_a_table_per_model_and_one_line_errors(tmp_path: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    tool = _tool()
+    tool = load_script("tools/forecast_break.py")
     tokens = [400_000 * step for step in range(1, 11)]
     _write_metrics(tmp_path / "rope", _rows(PowerLaw(2e-6, 0.8, 1.0, 0), tokens))
     assert tool.main([str(tmp_path / "rope")]) == 0

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,14 +70,9 @@ def fit_power_law(tokens: Sequence[float], excess: Sequence[float]) -> PowerLaw 
         return None
     xs = [math.log(value) for value in tokens]
     ys = [math.log(value) for value in excess]
-    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mean_x) ** 2 for x in xs)
-    sxy = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
-    slope = sxy / sxx
-    intercept = mean_y - slope * mean_x
-    residual = sum((y - (intercept + slope * x)) ** 2 for x, y in zip(xs, ys))
-    total = sum((y - mean_y) ** 2 for y in ys)
-    r_squared = 1.0 - residual / total if total > 0 else 1.0
+    slope, intercept = statistics.linear_regression(xs, ys)
+    # a straight line's R^2 is the squared correlation; a constant excess is fitted exactly (slope 0)
+    r_squared = statistics.correlation(xs, ys) ** 2 if len(set(ys)) > 1 else 1.0
     return PowerLaw(coefficient=math.exp(intercept), exponent=slope, r_squared=r_squared, points=len(xs))
 
 
