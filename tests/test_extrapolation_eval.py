@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import re
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
 from megatron_lite.config import ExtrapolationEvalConfig, RopeScalingConfig
 from megatron_lite.eval.perplexity import token_nlls
@@ -21,6 +24,8 @@ from megatron_lite.model import build_model
 from megatron_lite.model.loss import IGNORE_INDEX
 from megatron_lite.training.extrapolation import (ExtrapolationEval, format_row, plot_curve, ppl_key, ratio_key,
                                                   window_blocks)
+from megatron_lite.training.step import evaluate as validation_loss
+from megatron_lite.training.stopping import EvaluationInterrupted, StopRequest, evaluation_interrupt_check
 from test_eval_support import single_thread, tiny_eval_config  # noqa: F401 (fixture)
 from training_helpers import WORDS, metrics, run_train, tiny_train_config, train_losses, write_config
 
@@ -103,6 +108,36 @@ def test_learned_positions_skip_the_windows_past_their_table() -> None:
     assert set(row) == {ppl_key(1), "extrapolation_scored_tokens", "extrapolation_seconds"}
     model.eval()
     assert row[ppl_key(1)] == pytest.approx(_reference_ppl(model, evaluation.books, SEQ, 4 * SEQ, 2 * SEQ), rel=1e-5)
+
+
+def test_a_stop_signal_drops_the_evaluation_and_leaves_the_model_as_it_was() -> None:
+    """A SIGTERM during an evaluation stops it before its next batch (validation too), the model back in training
+    mode with its own rotary scaling; the fault injection's check sends a real SIGTERM first."""
+    model = build_model(tiny_eval_config("rope", seq_length=SEQ, vocab_size=300))
+    books = [torch.randint(0, 300, (4 * SEQ + 3 * SEQ,), generator=torch.Generator().manual_seed(5)) for _ in range(2)]
+    evaluation = ExtrapolationEval(_settings(["dynamic:4"]), model.config, books, torch.device("cpu"))
+    batches = []
+    with StopRequest() as stop:
+        check = evaluation_interrupt_check(stop, torch.device("cpu"), world_size=1)
+
+        def counted_check() -> None:
+            batches.append(len(batches))
+            if len(batches) == 8:  # 2 batches per window, 3 windows: the 8th is under the dynamic scaling
+                os.kill(os.getpid(), signal.SIGTERM)
+            check()
+
+        check()  # no signal yet: nothing raised
+        with pytest.raises(EvaluationInterrupted):
+            evaluation.evaluate(model, counted_check)
+        assert len(batches) == 8 and stop.signal_name == "SIGTERM"
+        with pytest.raises(EvaluationInterrupted):  # validation: stopped before its first batch
+            validation_loss(model, [{"input_ids": books[0][None, :SEQ], "labels": books[0][None, 1:SEQ + 1]}],
+                            torch.device("cpu"), check)
+    assert model.training is True and model.config.position.scaling == RopeScalingConfig()
+    with StopRequest() as stop:
+        with pytest.raises(EvaluationInterrupted):
+            evaluation_interrupt_check(stop, torch.device("cpu"), world_size=1, inject_sigterm=True)()
+        assert stop.signal_name == "SIGTERM"
 
 
 def test_keys_console_line_and_plot(tmp_path: Path) -> None:
@@ -188,6 +223,27 @@ def test_train_py_logs_the_curve_and_trains_the_same_steps(training_corpus, tmp_
     assert (tmp_path / "curve" / "extrapolation.png").stat().st_size > 10_000
     assert "extrapolation eval every 4 steps: windows 1x, 2x, 4x of 32" in output
     assert "step 8/8 | extrapolation ppl x1 " in output and output.count("extrapolation ppl") == 3
+
+
+@pytest.mark.slow
+def test_a_sigterm_during_an_evaluation_saves_the_step_at_once(training_corpus, tmp_path: Path) -> None:
+    """A scheduler's stop mid-evaluation (a real SIGTERM to rank 0 of 2, from train.fault_injection): both ranks
+    drop the step's validation and long-context rows and save its checkpoint with the stop recorded."""
+    mix, cache = training_corpus
+    config = write_config(tmp_path / "curve.yml", tiny_train_config(
+        mix, cache, eval_interval=2, save_interval=0, extrapolation_eval={**curve_settings(write_books(
+            tmp_path / "books")), "interval": 2}, fault_injection={"sigterm_during_evaluation_step": 2}))
+    output = run_train(config, tmp_path / "run", ranks=2).stdout
+    assert "step 2: SIGTERM received: the step's evaluation is dropped, its checkpoint saved first" in output
+    assert "stopped by SIGTERM at step 2; resume with --resume auto" in output
+    final = checkpoint_dirs.latest_complete(tmp_path / "run" / checkpoint_dirs.CHECKPOINTS_DIR)
+    assert final is not None and checkpoint_dirs.read_complete_marker(final)["step"] == 2
+    assert checkpoint_dirs.read_complete_marker(final)["stopped_by"] == "signal"
+    assert len(list(final.glob("rng_state_rank*.pt"))) == 2  # both ranks saved
+    rows = metrics(tmp_path / "run")
+    assert [row["step"] for row in rows if "extrapolation_ppl_x1" in row] == [0]  # at the start only
+    assert not [row for row in rows if "val_loss" in row]
+    assert rows[-1] == {"step": 2, "stopped_by": "signal", "signal": "SIGTERM"}
 
 
 def test_missing_books_stop_before_training(training_corpus, tmp_path: Path) -> None:

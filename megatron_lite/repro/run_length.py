@@ -21,7 +21,6 @@ import math
 import re
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.repro.settings import REPO_ROOT

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from megatron_lite.config import Config, ExtrapolationEvalConfig, ModelConfig, RopeScalingConfig
-from megatron_lite.console import console, notice
+from megatron_lite.console import notice
 from megatron_lite.data.tokenizer import load_tokenizer
 from megatron_lite.eval.documents import load_documents
 from megatron_lite.eval.scaling import NO_SCALING, ScalingSpec, parse_scaling
@@ -137,8 +137,9 @@ class ExtrapolationEval:
     def due(self, step: int, last: bool) -> bool:
         return bool(self.settings.interval) and (step % self.settings.interval == 0 or last)
 
-    def evaluate(self, engine: Any) -> dict[str, float]:
-        """Perplexity at every window (and scaling) and each ratio to 1x, plus the seconds it took."""
+    def evaluate(self, engine: Any, check_interrupt: Callable[[], None] = lambda: None) -> dict[str, float]:
+        """Perplexity at every window (and scaling) and each ratio to 1x, plus the seconds it took;
+        ``check_interrupt`` runs before each batch (and may raise to stop: a run's stop signal)."""
         start = time.perf_counter()
         module = getattr(engine, "module", engine)  # a DeepSpeed engine, or the model itself
         row: dict[str, float] = {}
@@ -149,7 +150,7 @@ class ExtrapolationEval:
                     if scaling is not NO_SCALING:
                         module.set_rope_scaling(scaling.config())
                     for multiple in self.windows:
-                        row[ppl_key(multiple, scaling)] = self._perplexity(engine, self.blocks[multiple])
+                        row[ppl_key(multiple, scaling)] = self._perplexity(engine, self.blocks[multiple], check_interrupt)
         finally:
             if len(self.scalings) > 1:
                 module.set_rope_scaling(self.own_scaling)
@@ -162,9 +163,10 @@ class ExtrapolationEval:
         row["extrapolation_seconds"] = time.perf_counter() - start
         return row
 
-    def _perplexity(self, engine: Any, blocks: list[ScoredBlock]) -> float:
+    def _perplexity(self, engine: Any, blocks: list[ScoredBlock], check_interrupt: Callable[[], None]) -> float:
         nll_sum = 0.0
         for first in range(0, len(blocks), self.settings.batch_size):
+            check_interrupt()
             batch = blocks[first:first + self.settings.batch_size]
             input_ids_BL = torch.stack([block.input_ids_T for block in batch]).to(self.device)
             labels_BL = torch.stack([block.labels_T for block in batch]).to(self.device)

@@ -40,7 +40,9 @@ from megatron_lite.training.schedule import run_learning_rate
 from megatron_lite.training.sequence_parallel import with_sequence_parallel
 from megatron_lite.training.stages import Stage, plan_stages
 from megatron_lite.training.step import micro_batches, take_step
-from megatron_lite.training.stopping import CONTINUE, Action, Decision, StepEnd, StopPolicies, StopRequest
+from megatron_lite.training.stopping import (
+    CONTINUE, Action, Decision, EvaluationInterrupted, StepEnd, StopPolicies, StopRequest, evaluation_interrupt_check,
+)
 
 
 @dataclass
@@ -136,7 +138,11 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     with StopRequest() as stop, report.closed_on_error(), profiler:
         if extrapolation is not None and state.step == 0 and train.extrapolation_eval.at_start:
             side_work_start = time.perf_counter()
-            report.extrapolation(extrapolation, staged.engine, state)
+            try:
+                report.extrapolation(extrapolation, staged.engine, state, evaluation_interrupt_check(
+                    stop, dist_info.device, dist_info.world_size))
+            except EvaluationInterrupted:  # the first step sees the signal and saves
+                _say_evaluation_dropped(dist_info, state.step, stop)
             report.throughput.exclude_since(side_work_start)
         while state.step < data.total_steps:
             lr = run_learning_rate(state.step, data.total_steps, train)
@@ -159,10 +165,22 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
             end = policies.step_end(state.step, stop.received(on_any_rank=outcome.signalled))
             side_work_start = time.perf_counter()
             profiler.after_step(state.step)  # the window's last step: its files written, not training time
-            if valid_loader is not None and train.eval_interval and (state.step % train.eval_interval == 0 or end.last):
-                result.val_loss = report.validation(staged.engine, valid_loader, state.step)
-            if extrapolation is not None and extrapolation.due(state.step, end.last):
-                report.extrapolation(extrapolation, staged.engine, state)
+            validation_due = (valid_loader is not None and bool(train.eval_interval)
+                              and (state.step % train.eval_interval == 0 or end.last))
+            extrapolation_due = extrapolation is not None and extrapolation.due(state.step, end.last)
+            if validation_due or extrapolation_due:
+                # a signal, received before or during the evaluation, drops it: the grace period is short
+                check_interrupt = evaluation_interrupt_check(
+                    stop, dist_info.device, dist_info.world_size,
+                    inject_sigterm=dist_info.is_main and train.fault_injection.sigterm_during_evaluation_step == state.step)
+                try:
+                    if validation_due:
+                        result.val_loss = report.validation(staged.engine, valid_loader, state.step, check_interrupt)
+                    if extrapolation_due:
+                        report.extrapolation(extrapolation, staged.engine, state, check_interrupt)
+                except EvaluationInterrupted:
+                    _say_evaluation_dropped(dist_info, state.step, stop)
+                    end = policies.step_end(state.step, stop.received(on_any_rank=True))
             saved = (save_checkpoint(staged.engine, run_dir, state, config, data.tokenizer_path, dist_info,
                                      train.keep_last_checkpoints, ending=_ending_at(end, stop.signal_name))
                      if end.save else None)
@@ -241,6 +259,12 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
                 "by the interrupted attempt (those steps are redone)")
     if staged.compiled:  # last, just before the first step: the long wait follows it
         console(compile_announcement(config.train.compile_mode))
+
+
+def _say_evaluation_dropped(dist_info: DistributedInfo, step: int, stop: StopRequest) -> None:
+    if dist_info.is_main:
+        console(f"step {step}: {stop.received(on_any_rank=True)} received: the step's evaluation is dropped, "
+                "its checkpoint saved first")
 
 
 def _ending(stopped_by: str, signal_name: str | None) -> dict[str, str]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -89,18 +89,20 @@ class StepReport:
             if self.dist_info.is_main:
                 console(metrics_lib.format_row(row, self.total_steps))
 
-    def validation(self, engine: Any, loader: DataLoader, step: int) -> float:
-        val_loss = evaluate(engine, loader, self.dist_info.device)
+    def validation(self, engine: Any, loader: DataLoader, step: int,
+                   check_interrupt: Callable[[], None] = lambda: None) -> float:
+        val_loss = evaluate(engine, loader, self.dist_info.device, check_interrupt)
         row = {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
         self.logger.log(row)
         if self.dist_info.is_main:
             console(metrics_lib.format_row(row, self.total_steps))
         return val_loss
 
-    def extrapolation(self, evaluation: ExtrapolationEval, engine: Any, state: TrainingState) -> None:
+    def extrapolation(self, evaluation: ExtrapolationEval, engine: Any, state: TrainingState,
+                      check_interrupt: Callable[[], None] = lambda: None) -> None:
         """One long-context evaluation: its metrics row, console line and the curve's plot, redrawn."""
         row = {"step": state.step, "tokens_seen": state.consumed_samples * self.seq_length,
-               **evaluation.evaluate(engine)}
+               **evaluation.evaluate(engine, check_interrupt)}
         self.logger.log(row)
         if self.dist_info.is_main:
             console(format_extrapolation_row(row, evaluation.windows, self.total_steps))

@@ -7,8 +7,9 @@ the update itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
@@ -74,22 +75,27 @@ def micro_batches(iterator: Iterator[dict[str, torch.Tensor]], count: int) -> li
         raise RuntimeError("training data ran out before the last step") from None
 
 
-def evaluate(engine: Any, loader: DataLoader, device: torch.device) -> float:
+def evaluate(engine: Any, loader: DataLoader, device: torch.device,
+             check_interrupt: Callable[[], None] = lambda: None) -> float:
     """Mean validation loss per token over all ranks' shares of the validation set (``ValidationShare``):
     each batch's mean loss weighted by its scored tokens, so the value does not depend on how the samples
-    are split over ranks and batches."""
+    are split over ranks and batches. ``check_interrupt`` runs before each batch (and may raise to stop)."""
     engine.eval()
-    weighted_sum, tokens = local_validation_sums(engine, loader, device)
-    engine.train()
+    try:
+        weighted_sum, tokens = local_validation_sums(engine, loader, device, check_interrupt)
+    finally:
+        engine.train()
     summed, counted = all_reduce_sum([weighted_sum, tokens], device)
     return summed / max(counted, 1.0)
 
 
 @torch.no_grad()
-def local_validation_sums(engine: Any, loader: DataLoader, device: torch.device) -> tuple[float, float]:
+def local_validation_sums(engine: Any, loader: DataLoader, device: torch.device,
+                          check_interrupt: Callable[[], None] = lambda: None) -> tuple[float, float]:
     """This rank's (sum over batches of mean loss x scored tokens, scored tokens); padding labels score nothing."""
     weighted_sum, tokens = 0.0, 0.0
     for batch in loader:
+        check_interrupt()
         loss = engine(batch["input_ids"].to(device), labels=batch["labels"].to(device))  # every rank runs it
         scored = int((batch["labels"] != IGNORE_INDEX).sum())
         if scored:  # an all-padding batch's mean is 0/0

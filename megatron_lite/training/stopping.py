@@ -9,6 +9,7 @@ signal, then a stage boundary). ``step_end`` says in between whether a checkpoin
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -16,7 +17,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatron_lite.config import TrainConfig
+from megatron_lite.training.distributed import all_reduce_sum
 
 
 class Action(Enum):
@@ -162,3 +166,31 @@ class StopRequest:
     def __exit__(self, *exc: Any) -> None:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
+
+
+class EvaluationInterrupted(Exception):
+    """Some rank received a stop signal during an evaluation: its row is dropped and the step's checkpoint saved."""
+
+
+def evaluation_interrupt_check(stop: StopRequest, device: torch.device, world_size: int,
+                               inject_sigterm: bool = False) -> Callable[[], None]:
+    """What an evaluation calls before each batch: raises ``EvaluationInterrupted`` once some rank has received a
+    stop signal. With several ranks that is one all-reduce per batch, which is safe because every rank runs every
+    evaluation batch (``ValidationShare``, ``ExtrapolationEval``) and so asks equally often.
+
+    ``inject_sigterm`` (train.fault_injection.sigterm_during_evaluation_step, on rank 0): the first call sends this
+    process a real SIGTERM first, as a scheduler's stop arriving mid-evaluation."""
+    pending_injection = inject_sigterm
+
+    def check() -> None:
+        nonlocal pending_injection
+        if pending_injection:
+            pending_injection = False
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler has run when os.kill returns (same thread)
+        signalled_here = stop.signal_name is not None
+        if world_size > 1:
+            signalled_here = all_reduce_sum([float(signalled_here)], device)[0] > 0
+        if signalled_here:
+            raise EvaluationInterrupted
+
+    return check
