@@ -263,8 +263,8 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
 
 def _say_evaluation_dropped(dist_info: DistributedInfo, step: int, stop: StopRequest) -> None:
     if dist_info.is_main:
-        console(f"step {step}: {stop.received(on_any_rank=True)} received: the step's evaluation is dropped, "
-                "its checkpoint saved first")
+        then = "its checkpoint saved first" if step else "the first step is saved and the run stops"
+        console(f"step {step}: {stop.received(on_any_rank=True)} received: the step's evaluation is dropped, {then}")
 
 
 def _ending(stopped_by: str, signal_name: str | None) -> dict[str, str]:
