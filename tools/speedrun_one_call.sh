@@ -8,7 +8,8 @@
 # BUNDLE      a data bundle of tools/build_data_bundle.py (BUNDLE.sha256 beside it)
 # OUT         receives what is small enough to bring back, no checkpoints: log.txt (everything printed),
 #             results.json, tables.md, probe.json, wall_times.json, the plots, <scheme>_metrics.jsonl (the
-#             curve is in them), <scheme>_extrapolation.png, <scheme>_train_log_tail.txt, results_board.md
+#             curve is in them), <scheme>_extrapolation.png, <scheme>_train_log_tail.txt, results_board.md, and
+#             with `--set train.profile.start_step=N` (train.py's profiler) <scheme>_profile_steps_* (table, trace)
 #
 # Phases, each under its own timeout, so that a cut run keeps what the earlier ones did:
 #   P0  wheels, versions
@@ -59,6 +60,9 @@ for run in "$WORK"/runs/*/; do
   scheme=$(basename "$run")
   [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$OUT/${scheme}_metrics.jsonl"
   [ -f "$run/extrapolation.png" ] && cp "$run/extrapolation.png" "$OUT/${scheme}_extrapolation.png"
+  for profiled in "$run"/profile/steps_*; do  # with --set train.profile.start_step=N: the profiled steps
+    [ -f "$profiled" ] && cp "$profiled" "$OUT/${scheme}_profile_$(basename "$profiled")"
+  done
   [ -f "$WORK/logs/train_$scheme.log" ] && tail -c 20000 "$WORK/logs/train_$scheme.log" \
     > "$OUT/${scheme}_train_log_tail.txt"
 done
