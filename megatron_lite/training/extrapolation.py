@@ -150,7 +150,8 @@ class ExtrapolationEval:
                     if scaling is not NO_SCALING:
                         module.set_rope_scaling(scaling.config())
                     for multiple in self.windows:
-                        row[ppl_key(multiple, scaling)] = self._perplexity(engine, self.blocks[multiple], check_interrupt)
+                        row[ppl_key(multiple, scaling)] = self._perplexity(engine, self.blocks[multiple],
+                                                                           check_interrupt)
         finally:
             if len(self.scalings) > 1:
                 module.set_rope_scaling(self.own_scaling)

@@ -170,9 +170,8 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
             extrapolation_due = extrapolation is not None and extrapolation.due(state.step, end.last)
             if validation_due or extrapolation_due:
                 # a signal, received before or during the evaluation, drops it: the grace period is short
-                check_interrupt = evaluation_interrupt_check(
-                    stop, dist_info.device, dist_info.world_size,
-                    inject_sigterm=dist_info.is_main and train.fault_injection.sigterm_during_evaluation_step == state.step)
+                sigterm_now = dist_info.is_main and train.fault_injection.sigterm_during_evaluation_step == state.step
+                check_interrupt = evaluation_interrupt_check(stop, dist_info.device, dist_info.world_size, sigterm_now)
                 try:
                     if validation_due:
                         result.val_loss = report.validation(staged.engine, valid_loader, state.step, check_interrupt)
