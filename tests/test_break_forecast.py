@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from script_loading import load_script
 
-from megatron_lite.repro.break_forecast import (MIN_R_SQUARED, PowerLaw, fit_power_law, forecast, forecast_window,
-                                                load_curves)
+from megatron_lite.repro.break_forecast import (MIN_R_SQUARED, PowerLaw, describe_crossing, fit_power_law, forecast,
+                                                forecast_window, load_curves)
 
 
 def _rows(law: PowerLaw, tokens: list[int], multiple: int = 16, wobble: float = 0.0) -> list[dict]:
@@ -52,6 +52,14 @@ def test_a_window_forecast_projects_leaves_out_warm_up_and_prefers_an_observed_c
     crossed = forecast_window(rows, 16, threshold=1.2)  # 1 + 2e-6 * t^0.8 passes 1.2 at ~1.8M tokens
     first = next(row["tokens_seen"] for row in rows if row["extrapolation_ratio_x16"] >= 1.2)
     assert crossed is not None and crossed.observed_tokens == first and crossed.projected_tokens is None
+    assert describe_crossing(item) == "projected 13.3M (3.3x the last)"
+    # a curve held just under 2 where its fitted line crosses 2 inside the data: said so, not projected
+    law_inside = PowerLaw(coefficient=1 / 3e6 ** 0.8, exponent=0.8, r_squared=1.0, points=0)  # 2 at 3M tokens
+    held = [{**row, "extrapolation_ratio_x16": min(row["extrapolation_ratio_x16"], 1.99)}
+            for row in _rows(law_inside, tokens)]
+    inside = forecast_window(held, 16)
+    assert inside is not None and inside.observed_tokens is None and describe_crossing(inside) == (
+        "the fit's line at 3.3M, not observed")
     assert forecast_window(rows, 8) is None  # no such window in the rows
     with pytest.raises(ValueError, match="threshold=1"):
         forecast_window(rows, 16, threshold=1.0)

@@ -113,7 +113,9 @@ def forecast(rows: Sequence[dict[str, Any]], threshold: float = DEFAULT_THRESHOL
 
 
 def describe_crossing(item: WindowForecast) -> str:
-    """'observed at 9.0M', 'projected 17.3M (1.4x the last)', 'not growing', 'no trend' or 'too few points'."""
+    """'observed at 9.0M', 'projected 17.3M (1.4x the last)', 'the fit's line at 11.0M, not observed' (a line
+    crossing inside the data that the curve itself has not made: it swings around the line), 'not growing', 'no
+    trend' or 'too few points'."""
     if item.observed_tokens is not None:
         return f"observed at {format_tokens(item.observed_tokens)}"
     if item.fit is None:
@@ -122,6 +124,8 @@ def describe_crossing(item: WindowForecast) -> str:
         return f"no trend (R^2 < {MIN_R_SQUARED:g})"
     if item.projected_tokens is None:
         return "not growing"
+    if item.projected_tokens <= item.last_tokens:
+        return f"the fit's line at {format_tokens(item.projected_tokens)}, not observed"
     return (f"projected {format_tokens(item.projected_tokens)} "
             f"({item.projected_tokens / item.last_tokens:,.1f}x the last)")
 
