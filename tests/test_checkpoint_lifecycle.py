@@ -14,7 +14,7 @@
 5. A universal conversion on a real small filesystem (a tmpfs; skipped where it cannot be mounted) says how
    much space it needs before it starts.
 6. SIGTERM to the deepspeed launcher's process group (slow): the ``deepspeed`` command returns 143 at once, while
-   its ranks still run; the job script of docs/training.md waits for them with ``python -m
+   its ranks still run and stop at one step; the job script of docs/training.md waits for them with ``python -m
    megatron_lite.training.run_lock`` and gets the run's own exit code; the checkpoint is complete and resumes.
    Ctrl-C under the launcher is recorded as SIGINT, not as the SIGTERM the launcher sends after it.
 And the issue's item 2 as it happened (slow): 2 ranks killed mid-save, the step re-saved on 1 rank, the next
@@ -357,6 +357,8 @@ def test_sigterm_to_a_launcher_job_exits_143_at_once_and_the_wait_returns_once_t
         assert f"{run}: stopped by SIGTERM at step {step}; --resume auto starts from {final}" in output
         assert job.returncode == 143, output[-3000:]
         assert checkpoint_dirs.read_complete_marker(final)["stopped_by"] == "signal"
+        assert metrics(run)[-1] == {"step": step, "stopped_by": "signal", "signal": "SIGTERM"}
+        # both ranks stopped at one step: each saved its RNG state into it
         assert len(list(final.glob("rng_state_rank*.pt"))) == 2 and unlisted_files(final) == []
         resumed = run_train(config, run, "--train-iters", str(step + 1))
         assert f"resumed from {final} at step {step}" in resumed.stdout, resumed.stdout[-3000:]

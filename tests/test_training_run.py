@@ -4,7 +4,6 @@ console reports (one loss definition, notices once on rank 0)."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -201,30 +200,6 @@ def test_sigint_and_sigterm_write_a_final_checkpoint_exit_as_signalled_and_resum
     run_train(config("straight", exit_interval=step + 2), tmp_path / "straight")
     tag = checkpoint_dirs.step_tag(step + 2)
     assert_bitwise_equal(weights(run_dir / "checkpoints" / tag), weights(tmp_path / "straight/checkpoints" / tag))
-
-
-def test_sigterm_to_the_launchers_process_group_stops_both_ranks_at_one_step(training_corpus, tmp_path: Path) -> None:
-    mix, cache = training_corpus
-    config = write_config(tmp_path / "config.yml", tiny_train_config(
-        mix, cache, train_iters=5000, save_interval=0, eval_interval=0, zero_stage=2, gradient_accumulation_steps=1))
-    run_dir = tmp_path / "run"
-    process = subprocess.Popen(train_command(config, run_dir, ranks=2), text=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 180
-    while time.time() < deadline and not ((run_dir / "metrics.jsonl").is_file() and len(metrics(run_dir)) >= 3):
-        time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGTERM)  # what Ctrl-C / scancel do: every process of the job
-    output, _ = process.communicate(timeout=120)
-    assert "stopped by SIGTERM" in output, output[-3000:]
-    final = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
-    assert final is not None and len(list(final.glob("zero_pp_rank_*_optim_states.pt"))) == 2
-    # the launcher dies of the signal at once (a shell reports 143), whatever the ranks then do: the run dir says
-    # why the run ended
-    assert process.returncode == -signal.SIGTERM, process.returncode
-    step = checkpoint_dirs.read_complete_marker(final)["step"]
-    assert checkpoint_dirs.read_complete_marker(final)["stopped_by"] == "signal"
-    assert metrics(run_dir)[-1] == {"step": step, "stopped_by": "signal", "signal": "SIGTERM"}
-    assert len(list(final.glob("rng_state_rank*.pt"))) == 2
 
 
 def test_nonfinite_loss_is_skipped_and_counted(training_corpus, tmp_path: Path) -> None:
