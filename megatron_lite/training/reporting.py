@@ -89,8 +89,7 @@ class StepReport:
             if self.dist_info.is_main:
                 console(metrics_lib.format_row(row, self.total_steps))
 
-    def validation(self, engine: Any, loader: DataLoader, step: int,
-                   check_interrupt: Callable[[], None] = lambda: None) -> float:
+    def validation(self, engine: Any, loader: DataLoader, step: int, check_interrupt: Callable[[], None]) -> float:
         val_loss = evaluate(engine, loader, self.dist_info.device, check_interrupt)
         row = {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
         self.logger.log(row)
@@ -99,7 +98,7 @@ class StepReport:
         return val_loss
 
     def extrapolation(self, evaluation: ExtrapolationEval, engine: Any, state: TrainingState,
-                      check_interrupt: Callable[[], None] = lambda: None) -> None:
+                      check_interrupt: Callable[[], None]) -> None:
         """One long-context evaluation: its metrics row, console line and the curve's plot, redrawn."""
         row = {"step": state.step, "tokens_seen": state.consumed_samples * self.seq_length,
                **evaluation.evaluate(engine, check_interrupt)}
