@@ -48,7 +48,11 @@ def load_step_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
     if not result.has_manifest:
         notice(f"{step_dir}: no {MANIFEST_FILE} (not saved by megatron_lite's training loop, or by an older version): file checksums not verified",
                stacklevel=3)
-    if _zero_stage(step_dir) > 0:
+    bf16_optimizer_partitions = bf16_optimizer_files(step_dir)
+    if bf16_optimizer_partitions:
+        module = safe_load(sorted(step_dir.glob("*model_states.pt"))[0], mmap=True)["module"]
+        state = complete_zero_state(bf16_optimizer_state_dict(bf16_optimizer_partitions, module), module)
+    elif _zero_stage(step_dir) > 0:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(step_dir.parent), tag=step_dir.name)
@@ -62,6 +66,43 @@ def load_step_state_dict(step_dir: Path) -> dict[str, torch.Tensor]:
         state = safe_load(files[0])["module"]
     # detached: DeepSpeed's ZeRO consolidation can hand back tensors that require grad
     return {name: (tensor.float() if tensor.is_floating_point() else tensor).detach() for name, tensor in state.items()}
+
+
+def bf16_optimizer_files(step_dir: Path) -> list[Path]:
+    """The per-rank files of DeepSpeed's BF16_Optimizer (bf16 at ZeRO 1 with float32 gradient accumulation), by
+    data-parallel rank; empty for any other checkpoint. Every bf16 ZeRO checkpoint names its files ``bf16_zero_*``;
+    BF16_Optimizer's state is told apart by its fragment map and the absence of a ZeRO stage."""
+    files = sorted(step_dir.glob("bf16_zero_pp_rank_*_mp_rank_00_optim_states.pt"),
+                   key=lambda path: int(path.name.split("_")[4]))
+    if not files:
+        return []
+    saved = safe_load(files[0], mmap=True)["optimizer_state_dict"]
+    return files if "param_slice_mappings" in saved and "zero_stage" not in saved else []
+
+
+def bf16_optimizer_state_dict(files: list[Path], module_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """fp32 master weights of a BF16_Optimizer checkpoint (``files``: ``bf16_optimizer_files``), which DeepSpeed's
+    ``zero_to_fp32`` does not read.
+
+    Each rank's file holds, per parameter group, its contiguous slice of the group's flat float32 parameters
+    (``single_partition_of_fp32_groups``) and where each parameter's fragment lies in it (``param_slice_mappings``:
+    name -> (numel, start)); a parameter cut by a partition boundary continues at the start of the next rank's
+    slice, so its fragments in rank order make it whole. Shapes come from the module's own state dict."""
+    fragments: dict[str, list[torch.Tensor]] = {}
+    for file in files:
+        saved = safe_load(file, mmap=True)["optimizer_state_dict"]  # mapped: the Adam moments are never read
+        for partition, mapping in zip(saved["single_partition_of_fp32_groups"], saved["param_slice_mappings"],
+                                      strict=True):
+            for name, address in mapping.items():
+                fragments.setdefault(name, []).append(partition.narrow(0, address.start, address.numel))
+    state = {}
+    for name, pieces in fragments.items():
+        flat = torch.cat(pieces)
+        if name not in module_state or flat.numel() != module_state[name].numel():
+            raise CheckpointIntegrityError(f"{files[0].parent}: the optimizer's fp32 {name} ({flat.numel()} elements) "
+                                           "does not match the module's")
+        state[name] = flat.view(module_state[name].shape)
+    return state
 
 
 def complete_zero_state(state: dict[str, torch.Tensor], module_state: dict[str, torch.Tensor]

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,6 +37,18 @@ DEEPSPEED_SHM_BUFFERS = "deepspeed_allreduce_buffer_*"  # DeepSpeed's CPU all-re
 # The environment variable carries the setting into the tools and train.py runs the tests start.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def run_single_rank_worker(test_file: str, argument: str, **environment: str) -> Any:
+    """Run ``python test_file argument`` as a fresh one-rank process (no launcher's rank variables, one thread,
+    the repository as working dir) and return the JSON its last stdout line holds; a failure shows its stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **environment}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, test_file, argument], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -88,6 +88,31 @@ def worker(root: Path) -> None:
             (step_dir / checkpoint_dirs.COMPLETE_MARKER).write_text(json.dumps({"step": STEPS, "world_size": world_size}))
             save_file(live, str(target / LIVE_WEIGHTS))
         torch.distributed.barrier()
+    # bf16 at ZeRO 1 with float32 gradient sums (train.grad_accum_dtype: fp32) is DeepSpeed's BF16_Optimizer, whose
+    # files zero_to_fp32 does not read; the reference is its float32 master weights as DeepSpeed hands them out
+    torch.manual_seed(0)
+    model = GPT(config.model)
+    ds_config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+                 "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True, "bf16": {"enabled": True},
+                 "data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
+    by_size = sorted(model.parameters(), key=torch.Tensor.numel)  # so that 2 ranks' partitions cut a matrix in two
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(by_size, lr=0.5), config=ds_config)
+    batches = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        batch = torch.randint(0, config.model.vocab_size, (GLOBAL_BATCH, 17), generator=batches)
+        mine = batch[rank * micro_batch : (rank + 1) * micro_batch]
+        engine.backward(language_model_loss(engine(mine[:, :-1]), mine[:, 1:]))
+        engine.step()
+    target = root / f"bf16_zero1_ranks{world_size}"
+    engine.save_checkpoint(str(target / checkpoint_dirs.CHECKPOINTS_DIR), tag=TAG)
+    masters = {name: deepspeed.utils.safe_get_full_fp32_param(parameter).detach().clone()  # collective
+               for name, parameter in engine.module.named_parameters()}
+    if rank == 0:
+        step_dir = target / checkpoint_dirs.CHECKPOINTS_DIR / TAG
+        config_lib.save(config, step_dir / checkpoint_dirs.CONFIG_FILE)
+        (step_dir / checkpoint_dirs.COMPLETE_MARKER).write_text(json.dumps({"step": STEPS, "world_size": world_size}))
+        save_file(masters, str(target / LIVE_WEIGHTS))
+    torch.distributed.barrier()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,6 +156,27 @@ def test_checkpoint_consolidates_to_the_engine_weights(checkpoints: Path, stage:
     live = load_file(str(target / LIVE_WEIGHTS))
     assert loaded.kind == "step" and loaded.state.keys() == live.keys()
     for name, tensor in live.items():
+        assert loaded.state[name].dtype == torch.float32 and torch.equal(loaded.state[name], tensor), name
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_bf16_optimizer_checkpoint_consolidates_to_its_float32_master_weights(checkpoints: Path,
+                                                                                world_size: int) -> None:
+    """Two ranks cut parameters at their partitions' boundary: the fragments must join in rank order."""
+    from safetensors.torch import load_file
+
+    from megatron_lite.checkpoint_integrity import safe_load
+    from megatron_lite.convert import read_checkpoint
+
+    target = checkpoints / f"bf16_zero1_ranks{world_size}"
+    files = sorted((target / "checkpoints" / TAG).glob("bf16_zero_pp_rank_*_optim_states.pt"))
+    assert len(files) == world_size
+    held = [set(safe_load(file)["optimizer_state_dict"]["param_slice_mappings"][0]) for file in files]
+    assert world_size == 1 or held[0] & held[1], "no parameter is cut between the ranks' partitions"
+    loaded = read_checkpoint(target / "checkpoints" / TAG)
+    masters = load_file(str(target / LIVE_WEIGHTS))
+    assert loaded.state.keys() == read_checkpoint(run_dir(checkpoints, 1, world_size)).state.keys()
+    for name, tensor in masters.items():
         assert loaded.state[name].dtype == torch.float32 and torch.equal(loaded.state[name], tensor), name
 
 

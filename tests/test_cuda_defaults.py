@@ -12,16 +12,14 @@ import copy
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import typing
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import run_single_rank_worker, tiny_config
 from megatron_lite import config as config_lib
 from megatron_lite.config import schema
 from megatron_lite.model import GPT
@@ -226,13 +224,7 @@ def fused_step_worker() -> dict[str, object]:
 def test_fused_adamw_runs_under_deepspeeds_bf16_and_zero_wrappers() -> None:
     """One rank, every wrapper the project uses at ZeRO 0-2 (bf16: BF16_Optimizer, ZeRO 1/2: the ZeRO optimizer;
     fp32 ZeRO 0: the client optimizer as is): the fused update equals the unfused one."""
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        environment.pop(name, None)
-    done = subprocess.run([sys.executable, __file__, "fused-step"], capture_output=True, text=True, timeout=600,
-                          env=environment, cwd=Path(__file__).resolve().parents[1])
-    assert done.returncode == 0, done.stderr[-4000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = run_single_rank_worker(__file__, "fused-step", PYTHONWARNINGS="default")
     for case, error in results.items():
         if case != "device":
             # fp32: the fused kernel's rounding, grown over 3 steps (1.5e-5 on CPU, 8e-6 on an H200); bf16: the

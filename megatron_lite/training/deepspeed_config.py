@@ -85,6 +85,32 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def bf16_gradient_sums(grad_accum_dtype: str, zero_stage: int) -> dict[str, Any]:
+    """DeepSpeed keys for where a bf16 run sums gradients (``train.grad_accum_dtype``). DeepSpeed's default sums
+    the micro batches' bf16 gradients in bf16 and all-reduces them in bf16 (its issue #1800); Megatron-LM
+    accumulates and all-reduces them in float32 for bf16. ``fp32``: the all-reduce in float32 at every stage, the
+    accumulation too at ZeRO 1-3 (ZeRO 1: BF16_Optimizer; ZeRO 2-3: float32 gradient partitions). DeepSpeed
+    refuses a float32 accumulator without ZeRO (NotImplementedError), so ZeRO 0 accumulates in bf16."""
+    if grad_accum_dtype == "model":
+        return {}
+    sums: dict[str, Any] = {"communication_data_type": "fp32"}
+    if zero_stage > 0:
+        sums["data_types"] = {"grad_accum_dtype": "fp32"}
+    return sums
+
+
+def bf16_accumulation_notice(config: Config, batch: BatchSizes) -> str | None:
+    """One line for a bf16 run that asked for float32 sums where DeepSpeed cannot give them (ZeRO 0 with
+    accumulation), or None."""
+    train = config.train
+    if (config.precision != "bf16" or train.grad_accum_dtype != "fp32" or train.zero_stage > 0
+            or batch.gradient_accumulation_steps == 1 or "data_types" in train.deepspeed):
+        return None
+    return (f"train.grad_accum_dtype=fp32: at ZeRO 0 DeepSpeed sums the {batch.gradient_accumulation_steps} micro "
+            "batches' gradients in bf16 (it has no float32 accumulator without ZeRO); train.zero_stage=1 sums "
+            "them in float32, with the same memory on one GPU")
+
+
 def deepspeed_config(config: Config, batch: BatchSizes) -> dict[str, Any]:
     """The dict handed to ``deepspeed.initialize``; ``train.deepspeed`` is merged in last."""
     train = config.train
@@ -101,6 +127,7 @@ def deepspeed_config(config: Config, batch: BatchSizes) -> dict[str, Any]:
     }
     if config.precision == "bf16":
         generated["bf16"] = {"enabled": True}
+        generated.update(bf16_gradient_sums(train.grad_accum_dtype, train.zero_stage))
     elif config.precision == "fp16":
         generated["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": train.initial_loss_scale_power}
     if train.sequence_parallel_size > 1 and train.zero_stage == 3:

@@ -15,7 +15,7 @@ from megatron_lite.config import Config
 from megatron_lite.console import console, notice
 from megatron_lite.model import GPT
 from megatron_lite.model.compile import compile_model
-from megatron_lite.training.deepspeed_config import BatchSizes, deepspeed_config
+from megatron_lite.training.deepspeed_config import BatchSizes, bf16_accumulation_notice, deepspeed_config
 from megatron_lite.training.distributed import DistributedInfo
 from megatron_lite.training.optim import SkippableAdamW, build_optimizer
 from megatron_lite.training.sequence_parallel import sequence_parallel_mpu
@@ -64,7 +64,9 @@ class StagedEngine:
         self.optimizer = build_optimizer(model, self.config.train)
         ds_config = deepspeed_config(self.config, self.batch_sizes)
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": load_universal}
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, mpu=mpu, config=ds_config)
+        # BF16_Optimizer (bf16 at ZeRO 1, train.grad_accum_dtype=fp32) prints 18 lines of memory figures as it starts
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, mpu=mpu, config=ds_config)
         checkpoint_engine.install(self.engine, self.dist_info.rank)  # safe loads, hashed writes, no rank left in a barrier
 
     def next_stage(self, saved: Path, step: int) -> None:
@@ -107,6 +109,9 @@ def start_engine(config: Config, batch_sizes: BatchSizes, dist_info: Distributed
     resume loads the checkpoint's universal conversion (``checkpointing.plan_resume``)."""
     stage = stage_at(stages, marker.get("step", 0)) if stages else None
     weights_only = resumes_weights_only(stages, resume_dir, marker)
+    accumulation = bf16_accumulation_notice(config, batch_sizes)
+    if accumulation and dist_info.is_main:
+        notice(accumulation)
     if use_tf32(config, dist_info.device):
         enable_tf32()
     torch.manual_seed(config.seed)
