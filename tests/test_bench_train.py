@@ -101,6 +101,12 @@ def test_predictor_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capture
         seen["compiled_bytes"] = settings
         return []
 
+    def grad_sums(settings: object, progress: object) -> list:
+        seen["grad_sums"] = settings
+        return []
+
+    monkeypatch.setattr(predictors, "run_grad_sums", grad_sums)
+    monkeypatch.setattr(predictors, "format_grad_sums", lambda rows, settings: "grad sums table\n")
     monkeypatch.setattr(predictors, "run_census", census)
     monkeypatch.setattr(predictors, "run_compiled_bytes", compiled_bytes)
     monkeypatch.setattr(predictors, "run_compile_time", compile_time)
@@ -109,17 +115,21 @@ def test_predictor_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Capture
     assert cli.main(["--census", "--census-devices", "meta", "--census-gemm", "mixed", "fp32", "--compile-time",
                      "--compile-layers", "2", "--compile-backend", "eager", "--compile-modes", "whole,regional",
                      "--compiled-bytes", "--compiled-bytes-schemes", "coca_strict",
-                     "--compiled-bytes-batch-size", "3"]) == 0
+                     "--compiled-bytes-batch-size", "3", "--grad-sums", "--grad-sums-set", "model.num_layers=2",
+                     "--grad-sums-accumulation", "2"]) == 0
+    assert (seen["grad_sums"].overrides, seen["grad_sums"].accumulation) == (["model.num_layers=2"], 2)
     assert (seen["compiled_bytes"].schemes, seen["compiled_bytes"].batch_size) == (["coca_strict"], 3)
     assert seen["census"].devices == ["meta"] and seen["census"].gemms == ["mixed", "fp32"]
     assert seen["census"].precision == "bf16" and seen["census"].schemes == ["rope", "coca_slack", "coca_strict", "alibi"]
     compile_settings = seen["compile_time"]
     assert (compile_settings.layers, compile_settings.hidden, compile_settings.backend) == (2, 128, "eager")
     assert compile_settings.modes == ["whole", "regional"]
-    assert "census table" in capsys.readouterr().out
+    assert "census table" in (out := capsys.readouterr().out) and "grad sums table" in out
     assert cli.main(["--compile-time", "--compile-modes", "whole,bogus"]) == 2  # one error line, nothing run
     assert cli.main(["--census", "--census-devices", "tpu"]) == 2
     assert cli.main(["--compiled-bytes", "--compiled-bytes-batch-size", "0"]) == 2
+    assert cli.main(["--grad-sums", "--grad-sums-micro-batches", "1"]) == 2
     errors = capsys.readouterr().err
+    assert "--grad-sums-micro-batches 1: must be >= 2" in errors
     assert "--compile-modes 'whole,bogus'" in errors and "--census-devices 'tpu'" in errors
     assert "--compiled-bytes-batch-size 0" in errors

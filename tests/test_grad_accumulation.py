@@ -15,6 +15,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,6 +45,8 @@ def test_fp32_sums_map_to_deepspeeds_keys_per_stage(stage: int) -> None:
     assert generated["communication_data_type"] == "fp32"
     # DeepSpeed raises NotImplementedError for a float32 accumulator without ZeRO
     assert generated.get("data_types") == (None if stage == 0 else {"grad_accum_dtype": "fp32"})
+    # ZeRO 1's BF16_Optimizer adds each gradient into float32 as backward produces it
+    assert generated["bf16"] == {"enabled": True, **({"immediate_grad_update": True} if stage == 1 else {})}
     model_sums = deepspeed_config(bf16_config(stage, "model"), resolve_batch_sizes(config, 1))
     assert "communication_data_type" not in model_sums and "data_types" not in model_sums
     for precision in ("fp32", "fp16"):  # only bf16 runs are touched
@@ -73,6 +76,14 @@ def test_bad_value_names_the_key() -> None:
 @pytest.mark.slow
 def test_the_update_is_the_float32_sum_of_the_micro_batches_at_zero_1_to_3() -> None:
     errors = run_single_rank_worker(__file__, "engines")
+    # tools/bench_train.py --grad-sums on the tiny model, in the same process
+    sums = {row["mode"]: row for row in errors.pop("grad_sums")}
+    assert (sums["model"]["optimizer"], sums["fp32"]["optimizer"]) == ("DeepSpeedZeroOptimizer", "BF16_Optimizer")
+    added = (sums["fp32"]["micro_bytes"] - sums["model"]["micro_bytes"]) / sums["fp32"]["parameters"]
+    # each gradient cast to float32 (2 read + 4 written) and added into its buffer (4 + 4 read, 4 written), less
+    # autograd's bf16 accumulation (2 + 2 read, 2 written) that the immediate update replaces by a plain write: 12
+    assert 11 < added < 13, added
+    assert sums["fp32"]["step_ops"] < sums["model"]["step_ops"]  # no per-tensor overflow checks at the boundary
     for stage, accumulation in ENGINE_CASES:
         error = errors[f"zero{stage}_{accumulation}"]
         if accumulation == "fp32":
@@ -82,9 +93,10 @@ def test_the_update_is_the_float32_sum_of_the_micro_batches_at_zero_1_to_3() -> 
             assert error > 1e-4, (stage, accumulation, error)  # bf16 sums: ~1e-3 here
 
 
-def engines_worker() -> dict[str, float]:
+def engines_worker() -> dict[str, Any]:
     """Per ENGINE_CASES: relative L2 error of DeepSpeed's update (w0 - w1 with SGD at lr 1) against the float64
-    sum of the micro batches' bf16 gradients, each of the loss divided by the accumulation steps as DeepSpeed does."""
+    sum of the micro batches' bf16 gradients, each of the loss divided by the accumulation steps as DeepSpeed does;
+    and under "grad_sums" the rows of ``tools/bench_train.py --grad-sums`` for the tiny model."""
     import deepspeed
 
     from megatron_lite.training import engine as engine_lib
@@ -95,7 +107,7 @@ def engines_worker() -> dict[str, float]:
     dist_info = init_distributed()
     batches = torch.Generator().manual_seed(1)
     micro = [torch.randint(0, 250, (2, 17), generator=batches) for _ in range(MICRO_BATCHES)]
-    errors = {}
+    errors: dict[str, Any] = {}
     for stage, accumulation in ENGINE_CASES:
         config = bf16_config(stage, accumulation)
         torch.manual_seed(0)
@@ -122,6 +134,9 @@ def engines_worker() -> dict[str, float]:
         difference = torch.cat([(start[name] - after[name].double() - summed[name]).flatten() for name in summed])
         errors[f"zero{stage}_{accumulation}"] = (difference.norm() / torch.cat(
             [value.flatten() for value in summed.values()]).norm()).item()
+    from megatron_lite.bench.grad_sums import GradSumsSettings, run_grad_sums
+
+    errors["grad_sums"] = run_grad_sums(GradSumsSettings(config_path="configs/tiny/rope.yml"), progress=lambda line: print(line, file=sys.stderr))
     torch.distributed.destroy_process_group()
     return errors
 

@@ -1,6 +1,6 @@
 """tools/bench_train.py's flags for the CPU figures that predict the GPU: ``--census`` (census_bench.py over
-step_census.py), ``--compiled-bytes`` (compiled_bytes.py) and ``--compile-time`` (compile_time.py). Each prints
-its table and ratios from one run; ``--json`` writes the results."""
+step_census.py), ``--compiled-bytes`` (compiled_bytes.py), ``--compile-time`` (compile_time.py) and ``--grad-sums``
+(grad_sums.py). Each prints its table and ratios from one run; ``--json`` writes the results."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from megatron_lite.bench.compiled_bytes import (
     run_compiled_bytes,
 )
 from megatron_lite.bench.compile_time import MODES, CompileTimeSettings, format_compile_time, run_compile_time
+from megatron_lite.bench.grad_sums import GradSumsSettings, format_grad_sums, run_grad_sums
 
 LOSS_GEMMS = ("mixed", "input_dtype", "fp32")
 
@@ -70,6 +71,19 @@ def add_predictor_arguments(parser: argparse.ArgumentParser) -> None:
                               help="fresh processes per mode, interleaved (medians reported)")
     compile_time.add_argument("--compile-threads", type=int, default=defaults.threads,
                               help="torch threads per worker (0: torch's default)")
+    sums = parser.add_argument_group("gradient sums (--grad-sums)")
+    sums.add_argument("--grad-sums", action="store_true",
+                      help="count the memory traffic and operators of DeepSpeed's backward and step at ZeRO 1 in bf16 "
+                           "with train.grad_accum_dtype model (bf16 sums) and fp32")
+    sums_defaults = GradSumsSettings()
+    sums.add_argument("--grad-sums-config", default=sums_defaults.config_path)
+    sums.add_argument("--grad-sums-set", action="append", default=[], metavar="KEY=VALUE",
+                      help="a config override for the counted model (repeatable), e.g. model.num_layers=2")
+    sums.add_argument("--grad-sums-tokens", type=int, default=sums_defaults.tokens, help="tokens per micro batch")
+    sums.add_argument("--grad-sums-micro-batches", type=int, default=sums_defaults.micro_batches,
+                      help="micro batches per counted optimizer step")
+    sums.add_argument("--grad-sums-accumulation", type=int, default=sums_defaults.accumulation,
+                      help="micro batches per step in the per-step projection (the paper config on one GPU: 16)")
 
 
 def census_settings(args: argparse.Namespace) -> CensusSettings:
@@ -102,11 +116,20 @@ def compiled_bytes_settings(args: argparse.Namespace) -> CompiledBytesSettings:
     return settings
 
 
+def grad_sums_settings(args: argparse.Namespace) -> GradSumsSettings:
+    settings = GradSumsSettings(config_path=args.grad_sums_config, overrides=list(args.grad_sums_set),
+                                tokens=args.grad_sums_tokens, micro_batches=args.grad_sums_micro_batches,
+                                accumulation=args.grad_sums_accumulation)
+    settings.validate()
+    return settings
+
+
 def predictor_mode(args: argparse.Namespace) -> int:
     """--census, --compiled-bytes and/or --compile-time: tables on stdout, progress on stderr, results to --json."""
     census = census_settings(args) if args.census else None  # every flag checked before anything runs
     compiled_bytes = compiled_bytes_settings(args) if args.compiled_bytes else None
     compile_time = compile_time_settings(args) if args.compile_time else None
+    grad_sums = grad_sums_settings(args) if args.grad_sums else None
     if compile_time is not None:
         compile_time.overrides()  # an unknown --compile-scheme stops here
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
@@ -123,6 +146,10 @@ def predictor_mode(args: argparse.Namespace) -> int:
         result = run_compile_time(compile_time, progress)
         print(("\n" if output else "") + format_compile_time(result), end="")
         output["compile_time"] = result
+    if grad_sums is not None:
+        rows = run_grad_sums(grad_sums, progress)
+        print(("\n" if output else "") + format_grad_sums(rows, grad_sums), end="")
+        output["grad_sums"] = {"settings": grad_sums.__dict__, "rows": rows}
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(output, indent=2) + "\n")

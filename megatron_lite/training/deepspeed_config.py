@@ -96,6 +96,10 @@ def bf16_gradient_sums(grad_accum_dtype: str, zero_stage: int) -> dict[str, Any]
     sums: dict[str, Any] = {"communication_data_type": "fp32"}
     if zero_stage > 0:
         sums["data_types"] = {"grad_accum_dtype": "fp32"}
+    if zero_stage == 1:
+        # BF16_Optimizer adds each bf16 gradient into its float32 buffer as backward produces it and frees it, instead
+        # of zeroing and re-accumulating the bf16 gradients every micro batch: 12 instead of 20 bytes per parameter
+        sums["bf16"] = {"enabled": True, "immediate_grad_update": True}
     return sums
 
 
