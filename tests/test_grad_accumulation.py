@@ -5,7 +5,8 @@ makes it sum them in float32 at ZeRO 1-3. Fast: the DeepSpeed keys per stage and
 subprocess drives real DeepSpeed engines (one CPU rank, bf16, 4 micro batches, SGD with lr 1 so that the update
 is the summed gradient itself), saves a checkpoint, reads its float32 master weights back through
 ``megatron_lite.weights`` (BF16_Optimizer's own format at ZeRO 1) and compares the update with the float64 sum of
-the same micro batches' bf16 gradients, computed here on a copy of the model.
+the same micro batches' bf16 gradients, computed here on a copy of the model; the same process then runs
+``tools/bench_train.py --grad-sums``'s counts for the tiny model (12 bytes per parameter per micro batch).
 """
 
 from __future__ import annotations

@@ -72,13 +72,13 @@ def measure_mode(settings: GradSumsSettings, mode: str) -> dict[str, Any]:
     with contextlib.redirect_stdout(io.StringIO()):  # BF16_Optimizer's memory prints
         engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, config.train),
                                           config=deepspeed_config(config, resolve_batch_sizes(config, 1)))
-    tokens_B1T = torch.randint(0, config.model.vocab_size, (1, settings.tokens + 1),
+    ids_BT1 = torch.randint(0, config.model.vocab_size, (1, settings.tokens + 1),  # (1, T + 1)
                                generator=torch.Generator().manual_seed(0))
     micro: list[tuple[int, int]] = []
     boundary = (0, 0)
     for index in range(2 * settings.micro_batches):  # the first step warms up (Adam's state, lazy buffers)
         counted = index >= settings.micro_batches
-        loss = engine(tokens_B1T[:, :-1], labels=tokens_B1T[:, 1:])
+        loss = engine(ids_BT1[:, :-1], labels=ids_BT1[:, 1:])
         census = CensusMode(torch.device("cpu"))
         with census:
             engine.backward(loss)
