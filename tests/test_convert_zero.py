@@ -17,7 +17,9 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,21 +68,18 @@ def worker(root: Path) -> None:
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config = tiny_config("coca", "strict")
     micro_batch = GLOBAL_BATCH // world_size
-    for stage in STAGES:
-        torch.manual_seed(0)
-        model = GPT(config.model)
-        ds_config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
-                     "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), config=ds_config)
+
+    def train_and_save(engine: Any, target: Path, weights: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """STEPS SGD steps on this rank's share of each global batch, then the checkpoint and ``weights()`` (a
+        collective under ZeRO-3 and BF16_Optimizer) in the run layout."""
         batches = torch.Generator().manual_seed(1)
         for _ in range(STEPS):
             batch = torch.randint(0, config.model.vocab_size, (GLOBAL_BATCH, 17), generator=batches)
             mine = batch[rank * micro_batch : (rank + 1) * micro_batch]  # this rank's share of one global batch
             engine.backward(language_model_loss(engine(mine[:, :-1]), mine[:, 1:]))
             engine.step()
-        target = run_dir(root, stage, world_size)
         engine.save_checkpoint(str(target / checkpoint_dirs.CHECKPOINTS_DIR), tag=TAG)
-        live = gathered_weights(engine, stage)
+        live = weights()
         if rank == 0:
             step_dir = target / checkpoint_dirs.CHECKPOINTS_DIR / TAG
             config_lib.save(config, target / checkpoint_dirs.CONFIG_FILE)
@@ -88,6 +87,15 @@ def worker(root: Path) -> None:
             (step_dir / checkpoint_dirs.COMPLETE_MARKER).write_text(json.dumps({"step": STEPS, "world_size": world_size}))
             save_file(live, str(target / LIVE_WEIGHTS))
         torch.distributed.barrier()
+
+    for stage in STAGES:
+        torch.manual_seed(0)
+        model = GPT(config.model)
+        ds_config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
+                     "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True}
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+                                          config=ds_config)
+        train_and_save(engine, run_dir(root, stage, world_size), lambda: gathered_weights(engine, stage))
     # bf16 at ZeRO 1 with float32 gradient sums (train.grad_accum_dtype: fp32) is DeepSpeed's BF16_Optimizer, whose
     # files zero_to_fp32 does not read; the reference is its float32 master weights as DeepSpeed hands them out
     torch.manual_seed(0)
@@ -97,22 +105,9 @@ def worker(root: Path) -> None:
                  "data_types": {"grad_accum_dtype": "fp32"}, "communication_data_type": "fp32"}
     by_size = sorted(model.parameters(), key=torch.Tensor.numel)  # so that 2 ranks' partitions cut a matrix in two
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(by_size, lr=0.5), config=ds_config)
-    batches = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        batch = torch.randint(0, config.model.vocab_size, (GLOBAL_BATCH, 17), generator=batches)
-        mine = batch[rank * micro_batch : (rank + 1) * micro_batch]
-        engine.backward(language_model_loss(engine(mine[:, :-1]), mine[:, 1:]))
-        engine.step()
-    target = root / f"bf16_zero1_ranks{world_size}"
-    engine.save_checkpoint(str(target / checkpoint_dirs.CHECKPOINTS_DIR), tag=TAG)
-    masters = {name: deepspeed.utils.safe_get_full_fp32_param(parameter).detach().clone()  # collective
-               for name, parameter in engine.module.named_parameters()}
-    if rank == 0:
-        step_dir = target / checkpoint_dirs.CHECKPOINTS_DIR / TAG
-        config_lib.save(config, step_dir / checkpoint_dirs.CONFIG_FILE)
-        (step_dir / checkpoint_dirs.COMPLETE_MARKER).write_text(json.dumps({"step": STEPS, "world_size": world_size}))
-        save_file(masters, str(target / LIVE_WEIGHTS))
-    torch.distributed.barrier()
+    train_and_save(engine, root / f"bf16_zero1_ranks{world_size}",
+                   lambda: {name: deepspeed.utils.safe_get_full_fp32_param(parameter).detach().clone()
+                            for name, parameter in engine.module.named_parameters()})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@ the same micro batches' bf16 gradients, computed here on a copy of the model; th
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -101,11 +100,10 @@ def engines_worker() -> dict[str, Any]:
     import deepspeed
 
     from megatron_lite.training import engine as engine_lib
-    from megatron_lite.training.distributed import free_port, init_distributed
+    from megatron_lite.training.distributed import init_distributed
     from megatron_lite.weights import load_step_state_dict
 
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    dist_info = init_distributed()
+    dist_info = init_distributed()  # a one-rank world of its own (distributed.single_process_env)
     batches = torch.Generator().manual_seed(1)
     micro = [torch.randint(0, 250, (2, 17), generator=batches) for _ in range(MICRO_BATCHES)]
     errors: dict[str, Any] = {}
@@ -137,7 +135,8 @@ def engines_worker() -> dict[str, Any]:
             [value.flatten() for value in summed.values()]).norm()).item()
     from megatron_lite.bench.grad_sums import GradSumsSettings, run_grad_sums
 
-    errors["grad_sums"] = run_grad_sums(GradSumsSettings(config_path="configs/tiny/rope.yml"), progress=lambda line: print(line, file=sys.stderr))
+    errors["grad_sums"] = run_grad_sums(GradSumsSettings(config_path="configs/tiny/rope.yml"),
+                                        progress=lambda line: print(line, file=sys.stderr))
     torch.distributed.destroy_process_group()
     return errors
 

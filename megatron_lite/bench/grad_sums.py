@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import io
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,7 +72,7 @@ def measure_mode(settings: GradSumsSettings, mode: str) -> dict[str, Any]:
         engine, *_ = deepspeed.initialize(model=model, optimizer=build_optimizer(model, config.train),
                                           config=deepspeed_config(config, resolve_batch_sizes(config, 1)))
     ids_BT1 = torch.randint(0, config.model.vocab_size, (1, settings.tokens + 1),  # (1, T + 1)
-                               generator=torch.Generator().manual_seed(0))
+                            generator=torch.Generator().manual_seed(0))
     micro: list[tuple[int, int]] = []
     boundary = (0, 0)
     for index in range(2 * settings.micro_batches):  # the first step warms up (Adam's state, lazy buffers)
@@ -101,13 +100,10 @@ def measure_mode(settings: GradSumsSettings, mode: str) -> dict[str, Any]:
 
 
 def run_grad_sums(settings: GradSumsSettings, progress: Callable[[str], None]) -> list[dict[str, Any]]:
-    from megatron_lite.training.distributed import free_port, init_distributed
+    from megatron_lite.training.distributed import init_distributed
 
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
     if not torch.distributed.is_initialized():
-        init_distributed()
+        init_distributed()  # a one-rank world of its own (distributed.single_process_env)
     rows = []
     for mode in MODES:
         progress(f"grad sums: train.grad_accum_dtype={mode} ...")

@@ -99,7 +99,7 @@ def bf16_gradient_sums(grad_accum_dtype: str, zero_stage: int) -> dict[str, Any]
     if zero_stage == 1:
         # BF16_Optimizer adds each bf16 gradient into its float32 buffer as backward produces it and frees it, instead
         # of zeroing and re-accumulating the bf16 gradients every micro batch: 12 instead of 20 bytes per parameter
-        sums["bf16"] = {"enabled": True, "immediate_grad_update": True}
+        sums["bf16"] = {"immediate_grad_update": True}
     return sums
 
 
@@ -130,8 +130,8 @@ def deepspeed_config(config: Config, batch: BatchSizes) -> dict[str, Any]:
         "wall_clock_breakdown": False,
     }
     if config.precision == "bf16":
-        generated["bf16"] = {"enabled": True}
-        generated.update(bf16_gradient_sums(train.grad_accum_dtype, train.zero_stage))
+        generated = _merge({**generated, "bf16": {"enabled": True}},
+                           bf16_gradient_sums(train.grad_accum_dtype, train.zero_stage))
     elif config.precision == "fp16":
         generated["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": train.initial_loss_scale_power}
     if train.sequence_parallel_size > 1 and train.zero_stage == 3:
