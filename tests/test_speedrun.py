@@ -16,7 +16,7 @@ import pytest
 
 from megatron_lite import results_board
 from megatron_lite.repro.settings import SpeedrunBudget
-from megatron_lite.repro.speedrun import plan_train_iters
+from megatron_lite.repro.speedrun import data_passes_line, plan_train_iters
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
@@ -51,6 +51,13 @@ def test_plan_splits_the_budget_at_the_slowest_scheme() -> None:
     assert pair["train_seconds_per_model"] == 160.0 and pair["limited_by"] == "token cap"
     capped = plan_train_iters(SpeedrunBudget(max_train_tokens=32_768 * 100), probes, 32_768, 4)
     assert capped["train_iters"] == 100 and capped["limited_by"] == "token cap"
+
+
+def test_the_passes_over_the_bundle_are_printed_and_many_are_flagged() -> None:
+    # the 2026-11-27 H200 pair: 2,162 steps of 32,768 tokens over a 6.03M-token bundle
+    line = data_passes_line(2_162 * 32_768, 6_028_716)
+    assert line.startswith("data: 70.8M training tokens per model = 11.8 passes over the bundle's 6.03M tokens (more")
+    assert "--min-tokens" in line and "(" not in data_passes_line(47_000_000, 30_000_000)  # 1.6 passes: no hint
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -129,6 +136,7 @@ def test_dry_run_of_every_phase_from_a_bundle_on_a_bare_node(tiny_bundle: Path, 
     assert first.stdout.startswith("[reproduce] GPU plan at the reference measurement (one NVIDIA H200, 2026-11-26"), \
         first.stdout[:500]
     assert "2 models (rope, coca_slack), 1,433 steps = 47.0M tokens each" in first.stdout.splitlines()[0]
+    assert "data: 0.0M training tokens per model = 0.0 passes over the bundle's" in first.stdout  # 3 steps of 128
     assert not (out / "results.json").exists() and not (tmp_path / "board.md").exists()  # not finished: no row
     second = subprocess.run([*base, "--only", "eval,report"], env=env, capture_output=True, text=True, timeout=900)
     assert second.returncode == 0, second.stderr[-3000:]

@@ -37,6 +37,9 @@ DRY_RUN_MAX_ITERS = 3  # the dry run proves the phases, not the numbers
 REFERENCE_MEASUREMENT = {"device": "one NVIDIA H200", "date": "2026-11-26", "commit": "f895ab5",
                          "tokens_per_sec": 347_875.0, "startup_seconds": 70.0}
 PROBE_LOG_INTERVAL = 5
+# More passes over the bundle than this and a model mostly re-reads what it has seen: the 2026-11-27 H200 pair made
+# 11.8 over a 6M-token bundle (training loss 3.4 against validation 4.6); the profile's default bundle holds 30M.
+QUIET_PASSES = 4.0
 
 
 def bundle_dir(settings: ReproSettings) -> Path:
@@ -161,6 +164,25 @@ def announce_reference_plan(settings: ReproSettings) -> dict[str, Any]:
     return plan
 
 
+def data_passes_line(tokens_per_model: int, bundle_tokens: int) -> str:
+    """How often each model reads the bundle at the planned step count, with a hint where that is a lot."""
+    passes = tokens_per_model / bundle_tokens
+    line = (f"data: {tokens_per_model / 1e6:,.1f}M training tokens per model = {passes:.1f} passes over the "
+            f"bundle's {bundle_tokens / 1e6:,.2f}M tokens")
+    if passes > QUIET_PASSES:
+        line += (f" (more than {QUIET_PASSES:g}: the models mostly re-read their data; a larger bundle, "
+                 "tools/build_data_bundle.py --min-tokens, repeats less)")
+    return line
+
+
+def bundle_tokens(settings: ReproSettings) -> int | None:
+    """The unpacked bundle's token count (its manifest), or None before the data phase has unpacked it."""
+    manifest = bundle_dir(settings) / "bundle_manifest.json"
+    if not manifest.is_file():
+        return None
+    return int(json.loads(manifest.read_text())["tokens"]["total"])
+
+
 def planned_iters(settings: ReproSettings, configs: dict[str, Config]) -> int:
     """The probe's step count (probing the schemes not probed yet), or --train-iters when given."""
     if settings.train_iters is not None:
@@ -187,9 +209,12 @@ def planned_iters(settings: ReproSettings, configs: dict[str, Config]) -> int:
                   f"{plan['train_seconds_per_model']} s of training each)")
     iters = int(plan["train_iters"])
     if settings.dry_run:
-        return max(1, min(iters, DRY_RUN_MAX_ITERS))
-    if iters < settings.budget.min_train_iters:
+        iters = max(1, min(iters, DRY_RUN_MAX_ITERS))
+    elif iters < settings.budget.min_train_iters:
         raise ValueError(f"{path}: the probe allows only {iters} steps per model in the {settings.budget.total_seconds:g} s "
                          "budget; this device is too slow for the speedrun (pass --train-iters or --budget-seconds)")
+    available = bundle_tokens(settings)
+    if available:
+        log(settings, data_passes_line(iters * int(plan["tokens_per_step"]), available))
     return iters
 
