@@ -73,8 +73,9 @@ def add_predictor_arguments(parser: argparse.ArgumentParser) -> None:
                               help="torch threads per worker (0: torch's default)")
     sums = parser.add_argument_group("gradient sums (--grad-sums)")
     sums.add_argument("--grad-sums", action="store_true",
-                      help="count the memory traffic and operators of DeepSpeed's backward and step at ZeRO 1 in bf16 "
-                           "with train.grad_accum_dtype model (bf16 sums) and fp32")
+                      help="count the memory traffic and operators of DeepSpeed's backward and step at ZeRO 1 in bf16, "
+                           "and time them on the host, with bf16 sums, DeepSpeed's per-tensor float32 hooks and the "
+                           "run's float32 sums")
     sums_defaults = GradSumsSettings()
     sums.add_argument("--grad-sums-config", default=sums_defaults.config_path)
     sums.add_argument("--grad-sums-set", action="append", default=[], metavar="KEY=VALUE",
@@ -84,6 +85,8 @@ def add_predictor_arguments(parser: argparse.ArgumentParser) -> None:
                       help="micro batches per counted optimizer step")
     sums.add_argument("--grad-sums-accumulation", type=int, default=sums_defaults.accumulation,
                       help="micro batches per step in the per-step projection (the paper config on one GPU: 16)")
+    sums.add_argument("--grad-sums-timed-steps", type=int, default=sums_defaults.timed_steps,
+                      help="optimizer steps timed on the host after the counted one (medians reported)")
 
 
 def census_settings(args: argparse.Namespace) -> CensusSettings:
@@ -119,7 +122,7 @@ def compiled_bytes_settings(args: argparse.Namespace) -> CompiledBytesSettings:
 def grad_sums_settings(args: argparse.Namespace) -> GradSumsSettings:
     settings = GradSumsSettings(config_path=args.grad_sums_config, overrides=list(args.grad_sums_set),
                                 tokens=args.grad_sums_tokens, micro_batches=args.grad_sums_micro_batches,
-                                accumulation=args.grad_sums_accumulation)
+                                accumulation=args.grad_sums_accumulation, timed_steps=args.grad_sums_timed_steps)
     settings.validate()
     return settings
 

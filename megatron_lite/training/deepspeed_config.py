@@ -97,9 +97,9 @@ def bf16_gradient_sums(grad_accum_dtype: str, zero_stage: int) -> dict[str, Any]
     if zero_stage > 0:
         sums["data_types"] = {"grad_accum_dtype": "fp32"}
     if zero_stage == 1:
-        # BF16_Optimizer adds each bf16 gradient into its float32 buffer as backward produces it and frees it, instead
-        # of zeroing and re-accumulating the bf16 gradients every micro batch: 12 instead of 20 bytes per parameter
-        sums["bf16"] = {"immediate_grad_update": True}
+        # BF16_Optimizer sums after backward, where training/fp32_grad_sums.py makes it one add_ per group; its
+        # immediate update (DeepSpeed's default is off) would add each gradient from a Python hook per parameter
+        sums["bf16"] = {"immediate_grad_update": False}
     return sums
 
 

@@ -49,7 +49,7 @@ class StagedEngine:
         another number of ranks); DeepSpeed fixes that at initialize, so only the first engine of a run has it."""
         import deepspeed
 
-        from megatron_lite.training import checkpoint_engine
+        from megatron_lite.training import checkpoint_engine, fp32_grad_sums
 
         self.selection = None
         if self.stage is not None:
@@ -67,6 +67,7 @@ class StagedEngine:
         # BF16_Optimizer (bf16 at ZeRO 1, train.grad_accum_dtype=fp32) prints 18 lines of memory figures as it starts
         with contextlib.redirect_stdout(io.StringIO()):
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, mpu=mpu, config=ds_config)
+        fp32_grad_sums.install(self.engine.optimizer)  # ZeRO 1's float32 sums: an add_ per group, not a hook per tensor
         checkpoint_engine.install(self.engine, self.dist_info.rank)  # safe loads, hashed writes, no rank left in a barrier
 
     def next_stage(self, saved: Path, step: int) -> None:
