@@ -131,11 +131,11 @@ def test_dry_run_of_every_phase_from_a_bundle_on_a_bare_node(tiny_bundle: Path, 
     first = subprocess.run([*base[:-3], *base[-2:], "--only", "data,probe,train"], env=env, capture_output=True,
                            text=True, timeout=900)  # not --quiet: the plan is printed first
     assert first.returncode == 0, first.stderr[-3000:]
-    # the GPU plan for the shipped model at the H200 reference: (540 - 10) / 2 - 70 start-up - 40 evaluation - 20
-    # curve = 135 s of training at 347,875 tokens/s = 1,433 steps of 32,768 tokens
-    assert first.stdout.startswith("[reproduce] GPU plan at the reference measurement (one NVIDIA H200, 2026-11-26"), \
+    # the GPU plan for the shipped model at the H200 reference: (540 - 10) / 2 - 36.9 start-up - 40 evaluation - 20
+    # curve = 168.1 s of training at 664,882 tokens/s = 3,410 steps of 32,768 tokens
+    assert first.stdout.startswith("[reproduce] GPU plan at the reference measurement (one NVIDIA H200, 2026-11-27"), \
         first.stdout[:500]
-    assert "2 models (rope, coca_slack), 1,433 steps = 47.0M tokens each" in first.stdout.splitlines()[0]
+    assert "2 models (rope, coca_slack), 3,410 steps = 111.7M tokens each" in first.stdout.splitlines()[0]
     assert "data: 0.0M training tokens per model = 0.0 passes over the bundle's" in first.stdout  # 3 steps of 128
     assert not (out / "results.json").exists() and not (tmp_path / "board.md").exists()  # not finished: no row
     second = subprocess.run([*base, "--only", "eval,report"], env=env, capture_output=True, text=True, timeout=900)
@@ -145,7 +145,7 @@ def test_dry_run_of_every_phase_from_a_bundle_on_a_bare_node(tiny_bundle: Path, 
     results = json.loads((out / "results.json").read_text())
     schemes = ["rope", "coca_slack"]  # the speedrun's default pair
     assert list(results["training"]) == schemes
-    assert results["reference_plan"]["train_iters"] == 1433 and results["reference_plan"]["expected_minutes"] == 9.0
+    assert results["reference_plan"]["train_iters"] == 3410 and results["reference_plan"]["expected_minutes"] == 9.0
     for scheme in schemes:  # the in-training curve: an evaluation before step 1 and after each of the 3 steps
         curve = results["training"][scheme]["extrapolation_curve"]
         assert [row["step"] for row in curve] == [0, 1, 2, 3] and "extrapolation_ratio_x4" in curve[-1]
