@@ -250,9 +250,10 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
     assert arguments[1:6] == ["-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port"]
     assert arguments[arguments.index("--config") + 1] == str(REPO / "configs/coca_350m.yml")
     sets = [arguments[index + 1] for index, word in enumerate(arguments) if word == "--set"]
-    # 20 measured steps, then one under the profiler
+    # 20 measured steps, then one under the profiler; no final save (GBs, ~11 s of a short GPU call)
     assert {'data.mix="/d/mix.yml"', "model.vocab_size=16000", "train.train_iters=21", "train.log_interval=4",
-            "train.eval_interval=0", "train.profile.start_step=21", "train.profile.steps=1"} <= set(sets)
+            "train.eval_interval=0", "train.profile.start_step=21", "train.profile.steps=1",
+            "train.save_final=false"} <= set(sets)
     at_64 = users_command.users_arguments(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "run",
                                           tmp_path / "cache", micro_batch=64)
     assert at_64[-2:] == ["--set", "train.train_micro_batch_size_per_gpu=64"]  # laid over the config: last

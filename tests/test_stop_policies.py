@@ -68,6 +68,14 @@ def test_save_schedule() -> None:
     assert policies.step_end(5, "SIGTERM").save
 
 
+def test_save_final_false_skips_only_the_final_steps_own_save() -> None:
+    policies = _policies(total_steps=10, save_interval=4, save_final=False)
+    assert [step for step in range(1, 11) if policies.step_end(step, None).save] == [4, 8]
+    assert policies.step_end(10, "SIGTERM").save  # a requested stop still saves
+    assert _policies(total_steps=8, save_interval=4, save_final=False).step_end(8, None).save  # the interval's
+    assert _run_step(policies, 10) is Action.CONTINUE  # the run ends as completed, with no failed save
+
+
 def test_exit_interval_stops_after_saving_but_not_at_the_final_step() -> None:
     policies = _policies(total_steps=8, exit_interval=4)
     assert [_run_step(policies, step) for step in (1, 2, 3)] == [Action.CONTINUE] * 3

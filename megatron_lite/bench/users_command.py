@@ -58,7 +58,7 @@ def users_arguments(mix: Path, tokenizer: Path, vocab_size: int, run_dir: Path, 
     sets = [f"data.mix={json.dumps(str(mix))}", f"data.cache_dir={json.dumps(str(cache_dir))}",
             f"data.tokenizer.model={json.dumps(str(tokenizer))}", f"model.vocab_size={vocab_size}",
             "train.train_epochs=1", f"train.train_iters={iters + profiled}", f"train.log_interval={log_interval}",
-            "train.eval_interval=0", "train.save_interval=0", "train.wandb.mode=disabled"]
+            "train.eval_interval=0", "train.save_interval=0", "train.save_final=false", "train.wandb.mode=disabled"]
     if profiled:
         sets += [f"train.profile.start_step={iters + 1}", f"train.profile.steps={profiled}"]
     if micro_batch:

@@ -501,6 +501,11 @@ class TrainConfig:
         "<run dir>/sample_indices.jsonl: which samples a step trained on, comparable across GPU counts and "
         "resumes.", default=False)
     save_interval: int = _doc("Steps between checkpoints (and one at the end); 0 saves only at the end.", default=1000)
+    save_final: bool = _doc(
+        "Save a checkpoint after the final step. false: a benchmark or a throwaway run that nobody resumes writes "
+        "nothing at its end (the 350M model's final save: several GB, ~11 s on an H200); train.save_interval's "
+        "checkpoints, a stage's last step and a requested stop (a signal, train.exit_interval) still save.",
+        default=True)
     keep_last_checkpoints: int = _doc("Complete checkpoints kept; older ones are deleted.", default=3)
     exit_interval: int | None = _doc(
         "Save a checkpoint and exit when the step is a multiple of this (Megatron's --exit-interval); "

@@ -50,7 +50,8 @@ class StepEnd:
     last: bool  # the run's final step
     requested_stop: Decision | None  # train.exit_interval or a signal: saved, then stopped
     boundary: bool  # the step ends a stage that is not the last
-    save: bool  # a checkpoint is due: train.save_interval, the final step, a requested stop or a stage boundary
+    save: bool  # a checkpoint is due: train.save_interval, the final step (train.save_final), a requested stop or a
+    # stage boundary
 
 
 class StopPolicies:
@@ -100,7 +101,7 @@ class StopPolicies:
                                       f"stopped by {signal_name} at step {step}; resume with --resume auto")
         interval = bool(self.train.save_interval) and step % self.train.save_interval == 0
         return StepEnd(step, last, requested_stop, boundary,
-                       save=interval or last or requested_stop is not None or boundary)
+                       save=interval or (last and self.train.save_final) or requested_stop is not None or boundary)
 
     def after_save(self, end: StepEnd, saved: bool) -> Decision:
         """``saved``: whether the checkpoint due at ``end`` (if one was) was written; every rank agrees."""
