@@ -123,6 +123,32 @@ def test_cuda_training_step_makes_no_host_sync(label: str) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graph_regions_train_as_the_plain_compiled_ones() -> None:
+    """gpu_check's ``regional-cudagraphs`` rows: the blocks and the head compiled with inductor's CUDA graphs train
+    as the plain regional compile does, step after step (the graphs' output buffers are reused between steps)."""
+    from megatron_lite.model.compile import compile_model
+
+    batch = torch.randint(0, 250, (2, 33), generator=torch.Generator().manual_seed(1)).cuda()
+    losses: dict[bool, list[float]] = {}
+    for cuda_graphs in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = GPT(tiny_config("coca_slack").model).cuda().to(torch.bfloat16).train()
+        compile_model(model, "regional", cuda_graphs=cuda_graphs)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses[cuda_graphs] = []
+        for _ in range(4):
+            torch.compiler.cudagraph_mark_step_begin()
+            loss = model(batch[:, :-1], labels=batch[:, 1:])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            losses[cuda_graphs].append(loss.item())
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_bf16_rotation_and_block_mask_match_the_cpu() -> None:
     """The two CUDA-only-in-practice paths written with out= and banded reductions: the bf16 rotation (forward and
     gradient) equals the same code on the CPU to bf16 rounding, and the banded block mask equals torch's own."""

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_lite import config as config_lib
 from megatron_lite import results_board
 from megatron_lite.bench import gpu_check, gpu_check_settings, users_command
+from megatron_lite.model import GPT
 from megatron_lite.cli import EXIT_USER_ERROR
 from script_loading import REPO, load_script
 
@@ -162,9 +164,9 @@ def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> 
     (["--schemes", "rope,nonsense"], "--schemes rope,nonsense: unknown scheme(s) nonsense"),
     (["--schemes", ","], "--schemes ,: unknown scheme(s) (none)"),
     (["--loss-gemm", "mixed,bf16"], "--loss-gemm mixed,bf16: unknown value(s) bf16"),
-    (["--compile-mode", "partial"], "--compile-mode partial: must be distinct values from regional, whole"),
-    (["--compile-mode", "whole,whole"], "--compile-mode whole,whole: must be distinct values from regional, whole"),
-    (["--compile-mode", ","], "--compile-mode ,: must be distinct values from regional, whole"),
+    (["--compile-mode", "partial"], "--compile-mode partial: must be distinct values from regional, whole, regional-cudagraphs"),
+    (["--compile-mode", "whole,whole"], "--compile-mode whole,whole: must be distinct values from regional, whole, regional-cudagraphs"),
+    (["--compile-mode", ","], "--compile-mode ,: must be distinct values from regional, whole, regional-cudagraphs"),
     (["--micro-batch", "0"], "--micro-batch 0: must be >= 1"),
     (["--quick", "--only", "train"], "--only train: unknown section(s) train for --quick"),
     (["--users-micro-batch", "16,x"], "--users-micro-batch 16,x: give micro batches as integers"),
@@ -198,6 +200,22 @@ def test_quick_settings_and_throughput_rows() -> None:
                                             extra_compile_modes=modes[1:])
     runs = [(run.model, run.mode, run.compile_mode) for run in gpu_check.throughput_runs(both)]
     assert runs[-2:] == [("hf_twin", "compiled", None), ("rope", "compiled", "whole")]
+    graphs = gpu_check_settings.CheckSettings(out=Path("unused"), quick=True,
+                                              extra_compile_modes=["regional-cudagraphs"])
+    assert gpu_check.throughput_runs(graphs)[-1].compile_mode == "regional-cudagraphs"
+
+
+def test_cudagraphs_compile_modes_ask_inductor_for_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu_check's ``-cudagraphs`` rows: the same regions compiled with torch.compile's mode="reduce-overhead"."""
+    calls: list[dict[str, object]] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: calls.append(kwargs))
+    model = GPT(config_lib.from_dict({"model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
+                                                "seq_length": 16, "vocab_size": 64}}).model)
+    gpu_check._compile(model, False, "regional-cudagraphs")
+    assert calls == [{"backend": "inductor", "mode": "reduce-overhead"}] * 3  # two blocks and the head
+    calls.clear()
+    gpu_check._compile(model, False, "regional")
+    assert calls == [{"backend": "inductor"}] * 3
 
 
 def test_users_command_reads_metrics_and_warnings(tmp_path: Path) -> None:

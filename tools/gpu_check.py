@@ -29,11 +29,10 @@ from typing import Any
 
 from megatron_lite import results_board
 from megatron_lite.bench.gpu_check import load_results, run_check
-from megatron_lite.bench.gpu_check_settings import (LOSS_GEMMS, QUICK_SECTIONS, SECTIONS, CheckSettings,
-                                                    parse_compile_modes, parse_loss_gemms, parse_micro_batches,
+from megatron_lite.bench.gpu_check_settings import (BENCH_COMPILE_MODES, LOSS_GEMMS, QUICK_SECTIONS, SECTIONS,
+                                                    CheckSettings, parse_compile_modes, parse_loss_gemms, parse_micro_batches,
                                                     parse_schemes, parse_sections)
 from megatron_lite.cli import cli_main, run_cli
-from megatron_lite.model.compile import COMPILE_MODES
 
 
 def board_row(results: dict[str, Any], settings: CheckSettings, measured: list[str], smoke: bool) -> dict[str, str]:
@@ -67,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="fixed throughput micro batch, no search (halved only on out-of-memory; --quick: 64)")
     parser.add_argument("--max-batch", type=int, default=64, help="largest micro batch the throughput search tries")
     parser.add_argument("--compile-mode", default="regional", metavar="MODE,...",
-                        help=f"how our model is compiled ({', '.join(COMPILE_MODES)}; megatron_lite.model.compile): "
-                             "the first for every compiled row of ours, each further one an extra compiled rope "
+                        help=f"how our model is compiled ({', '.join(BENCH_COMPILE_MODES)}; "
+                             "megatron_lite.model.compile; -cudagraphs: with inductor's CUDA graphs, a measurement "
+                             "only): the first for every compiled row of ours, each further one an extra compiled rope "
                              "throughput row; the HF twin: model.compile()")
     parser.add_argument("--loss-gemm", default="mixed", metavar="GEMM,...",
                         help=f"model.lm_head.gemm ({', '.join(LOSS_GEMMS)}): the first for every row of ours, each "

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
-from megatron_lite.bench.gpu_check_settings import SECTIONS, CheckSettings
+from megatron_lite.bench.gpu_check_settings import CUDA_GRAPHS_SUFFIX, SECTIONS, CheckSettings
 from megatron_lite.bench.gpu_check_train import CONFIG_350M, CONFIG_TINY, section_train
 from megatron_lite.files import write_text_atomic
 from megatron_lite.model import GPT
@@ -188,6 +188,7 @@ def _train_step(model: torch.nn.Module, is_hf: bool, batch: torch.Tensor) -> Cal
     inputs, labels = batch[:, :-1], batch[:, 1:]
 
     def step() -> None:
+        torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graphs' output buffers; else nothing
         if is_hf:
             logits = model(inputs).logits
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
@@ -241,7 +242,8 @@ def _compile(model: torch.nn.Module, is_hf: bool, mode: str) -> None:
     if is_hf:
         model.compile()
     else:
-        compile_model(model, mode)  # type: ignore[arg-type]
+        cuda_graphs = mode.endswith(CUDA_GRAPHS_SUFFIX)
+        compile_model(model, mode.removesuffix(CUDA_GRAPHS_SUFFIX), cuda_graphs=cuda_graphs)  # type: ignore[arg-type]
 
 
 def _build_for_throughput(config: Config, is_hf: bool, device: torch.device, compiled: bool,

@@ -29,16 +29,20 @@ CompileMode = Literal["regional", "whole"]
 COMPILE_MODES: tuple[str, ...] = ("regional", "whole")
 
 
-def compile_model(model: nn.Module, mode: CompileMode = "regional", backend: str | Callable[..., Any] = "inductor"
-                  ) -> None:
+def compile_model(model: nn.Module, mode: CompileMode = "regional", backend: str | Callable[..., Any] = "inductor",
+                  cuda_graphs: bool = False) -> None:
     """Compile ``model`` (a ``GPT``) in place: each of ``model.layers`` and its ``lm_head`` (``regional``), or
-    ``model.decode`` (``whole``). ``backend``: torch.compile's (tests pass one that records the graphs)."""
+    ``model.decode`` (``whole``). ``backend``: torch.compile's (tests pass one that records the graphs).
+    ``cuda_graphs``: inductor's CUDA graphs (torch.compile's ``mode="reduce-overhead"``) for each compiled graph,
+    so that a region's kernels replay from one launch; measured by the GPU check only (``regional-cudagraphs``),
+    not a training option (a training loop must then hold no compiled output across steps)."""
+    options: dict[str, Any] = {"mode": "reduce-overhead"} if cuda_graphs else {}
     if mode == "whole":
         decode = getattr(model, "decode", None)
         if decode is None:
             raise ValueError(f"compile mode 'whole': {type(model).__name__} has no .decode to compile")
         # an instance attribute shadowing the method: the state-dict keys stay as they are
-        model.decode = torch.compile(decode, backend=backend)  # type: ignore[method-assign]
+        model.decode = torch.compile(decode, backend=backend, **options)  # type: ignore[method-assign]
         return
     if mode != "regional":
         raise ValueError(f"compile mode {mode!r}: must be one of {', '.join(COMPILE_MODES)}")
@@ -46,7 +50,7 @@ def compile_model(model: nn.Module, mode: CompileMode = "regional", backend: str
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
         raise ValueError(f"compile mode 'regional': {type(model).__name__} has no .layers to compile one by one")
     for layer in layers:
-        layer.compile(backend=backend)
+        layer.compile(backend=backend, **options)
     head = getattr(model, "lm_head", None)
     if isinstance(head, nn.Module):
-        head.compile(backend=backend)
+        head.compile(backend=backend, **options)
