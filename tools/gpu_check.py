@@ -30,8 +30,8 @@ from typing import Any
 from megatron_lite import results_board
 from megatron_lite.bench.gpu_check import load_results, run_check
 from megatron_lite.bench.gpu_check_settings import (BENCH_COMPILE_MODES, LOSS_GEMMS, QUICK_SECTIONS, SECTIONS,
-                                                    CheckSettings, parse_compile_modes, parse_loss_gemms, parse_micro_batches,
-                                                    parse_schemes, parse_sections)
+                                                    CheckSettings, parse_compile_modes, parse_loss_gemms,
+                                                    parse_micro_batches, parse_schemes, parse_sections)
 from megatron_lite.cli import cli_main, run_cli
 
 
