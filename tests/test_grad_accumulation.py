@@ -26,8 +26,8 @@ import torch
 
 from conftest import run_single_rank_worker
 from megatron_lite import config as config_lib
-from megatron_lite.training.deepspeed_config import (BatchSizes, bf16_accumulation_notice, deepspeed_config,
-                                                     resolve_batch_sizes)
+from megatron_lite.training.deepspeed_config import (BatchSizes, bf16_accumulation_notice, bf16_zero0_sync_notice,
+                                                     deepspeed_config, resolve_batch_sizes)
 
 TINY_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 16, "vocab_size": 250,
               "position": {"scheme": "rope"}}
@@ -71,6 +71,13 @@ def test_zero0_with_accumulation_says_where_the_sums_stay_bf16() -> None:
     assert bf16_accumulation_notice(bf16_config(0), BatchSizes(2, 1, 8)) is None  # nothing accumulates
     assert bf16_accumulation_notice(bf16_config(1), BatchSizes(2, 4, 1)) is None
     assert bf16_accumulation_notice(bf16_config(0, "model"), BatchSizes(2, 4, 1)) is None
+
+
+def test_bf16_at_zero_0_on_a_gpu_names_its_per_tensor_waits() -> None:
+    notice = bf16_zero0_sync_notice(bf16_config(0), "cuda")
+    assert notice is not None and "train.zero_stage=1" in notice and "\n" not in notice
+    assert bf16_zero0_sync_notice(bf16_config(0), "cpu") is None  # nothing waits on a CPU
+    assert bf16_zero0_sync_notice(bf16_config(1), "cuda") is None
 
 
 def test_bad_value_names_the_key() -> None:

@@ -15,7 +15,8 @@ from megatron_lite.config import Config
 from megatron_lite.console import console, notice
 from megatron_lite.model import GPT
 from megatron_lite.model.compile import compile_model
-from megatron_lite.training.deepspeed_config import BatchSizes, bf16_accumulation_notice, deepspeed_config
+from megatron_lite.training.deepspeed_config import (BatchSizes, bf16_accumulation_notice, bf16_zero0_sync_notice,
+                                                     deepspeed_config)
 from megatron_lite.training.distributed import DistributedInfo
 from megatron_lite.training.optim import SkippableAdamW, build_optimizer
 from megatron_lite.training.sequence_parallel import sequence_parallel_mpu
@@ -110,9 +111,9 @@ def start_engine(config: Config, batch_sizes: BatchSizes, dist_info: Distributed
     resume loads the checkpoint's universal conversion (``checkpointing.plan_resume``)."""
     stage = stage_at(stages, marker.get("step", 0)) if stages else None
     weights_only = resumes_weights_only(stages, resume_dir, marker)
-    accumulation = bf16_accumulation_notice(config, batch_sizes)
-    if accumulation and dist_info.is_main:
-        notice(accumulation)
+    for line in (bf16_accumulation_notice(config, batch_sizes), bf16_zero0_sync_notice(config, dist_info.device.type)):
+        if line and dist_info.is_main:
+            notice(line)
     if use_tf32(config, dist_info.device):
         enable_tf32()
     torch.manual_seed(config.seed)
