@@ -87,6 +87,12 @@ def _unpacked(root: Path, manifest: dict[str, Any]) -> UnpackedBundle:
                           code_shards=root / CODE_SHARDS, eval_books=root / EVAL_BOOKS, manifest=manifest)
 
 
+def unpacked_at(root: Path) -> UnpackedBundle | None:
+    """The bundle already unpacked at ``root`` as its manifest describes it (not verified), or None."""
+    path = root / MANIFEST_NAME
+    return _unpacked(root, json.loads(path.read_text())) if path.is_file() else None
+
+
 # ----------------------------------------------------------------------------------------------
 # Writing the archive
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from megatron_lite.config import Config
 from megatron_lite.files import write_text_atomic
-from megatron_lite.repro.bundle import UnpackedBundle, unpack_bundle
+from megatron_lite.repro.bundle import UnpackedBundle, unpack_bundle, unpacked_at
 from megatron_lite.repro.settings import CODE_WEIGHT, TEXT_WEIGHT, ReproSettings, SpeedrunBudget, log
 
 DRY_RUN_MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2",
@@ -175,14 +175,6 @@ def data_passes_line(tokens_per_model: int, bundle_tokens: int) -> str:
     return line
 
 
-def bundle_tokens(settings: ReproSettings) -> int | None:
-    """The unpacked bundle's token count (its manifest), or None before the data phase has unpacked it."""
-    manifest = bundle_dir(settings) / "bundle_manifest.json"
-    if not manifest.is_file():
-        return None
-    return int(json.loads(manifest.read_text())["tokens"]["total"])
-
-
 def planned_iters(settings: ReproSettings, configs: dict[str, Config]) -> int:
     """The probe's step count (probing the schemes not probed yet), or --train-iters when given."""
     if settings.train_iters is not None:
@@ -213,8 +205,8 @@ def planned_iters(settings: ReproSettings, configs: dict[str, Config]) -> int:
     elif iters < settings.budget.min_train_iters:
         raise ValueError(f"{path}: the probe allows only {iters} steps per model in the {settings.budget.total_seconds:g} s "
                          "budget; this device is too slow for the speedrun (pass --train-iters or --budget-seconds)")
-    available = bundle_tokens(settings)
-    if available:
-        log(settings, data_passes_line(iters * int(plan["tokens_per_step"]), available))
+    unpacked = unpacked_at(bundle_dir(settings))  # None before the data phase has unpacked the bundle
+    if unpacked is not None:
+        log(settings, data_passes_line(iters * int(plan["tokens_per_step"]), unpacked.tokens))
     return iters
 
