@@ -119,3 +119,30 @@ def test_compiled_run_resumes_eagerly_and_converts(training_corpus, tmp_path: Pa
     assert (tmp_path / "hf" / "model.safetensors").is_file()
     step = checkpoint_dirs.latest_complete(tmp_path / "run" / checkpoint_dirs.CHECKPOINTS_DIR)
     assert step is not None and step.name == "step_00000004"
+
+
+@pytest.mark.parametrize(("scheme", "constraint"), ATTENTION_SCHEMES)
+def test_regional_graphs_qualify_for_cuda_graphs(scheme: str, constraint: str) -> None:
+    """train.cuda_graphs replays each compiled region as a CUDA graph; inductor skips a graph (and the launches stay)
+    that mutates an input that is not a parameter or returns an alias of one. Every region of a bf16 training step
+    (each block's forward and backward, the fused loss head's) does neither; the device checks (a CUDA device, no
+    CPU tensor inside) are the GPU tests' (tests/test_cuda_path.py)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen: list[tuple[list[int], int]] = []
+
+    def record(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        metadata = torch._guards.TracingContext.get().fw_metadata
+        seen.append((list(metadata.mutated_inp_runtime_indices), metadata.num_outputs_aliased))
+        return make_boxed_func(graph.forward)
+
+    torch._dynamo.reset()
+    model = GPT(tiny_config(scheme, constraint).model).to(torch.bfloat16).train()
+    from megatron_lite.model.compile import compile_model
+
+    compile_model(model, "regional", backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+    ids = torch.randint(0, 250, (2, 17), generator=torch.Generator().manual_seed(0))  # (B, T + 1)
+    model(ids[:, :-1], labels=ids[:, 1:]).backward()
+    assert len(seen) == 4  # the block's forward and backward (compiled once for every block), the head's
+    assert seen == [([], 0)] * 4

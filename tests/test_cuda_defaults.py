@@ -86,7 +86,7 @@ def test_enable_tf32_satisfies_inductor_and_warns_nothing() -> None:
 def test_compile_mode_compiles_each_block_or_the_whole_model(mode: str) -> None:
     """Wrapped in place, compiled lazily: nothing runs inductor here."""
     model = GPT(tiny_config().model)
-    assert engine_lib._compile_in_place(model, with_train(compile=True, compile_mode=mode), CPU)
+    assert engine_lib._compile_in_place(model, with_train(compile=True, compile_mode=mode), CPU) == (True, False)
     blocks = [layer._compiled_call_impl is not None for layer in model.layers]
     assert blocks == [mode == "regional"] * len(model.layers)
     assert ("decode" in vars(model)) is (mode == "whole")  # whole: model.decode replaced by its compiled self
@@ -98,10 +98,54 @@ def test_compile_mode_compiles_each_block_or_the_whole_model(mode: str) -> None:
 
 def test_compile_off_on_cpu_and_at_zero_3() -> None:
     model = GPT(tiny_config().model)
-    assert not engine_lib._compile_in_place(model, with_train(), CPU)  # null: off on CPU
+    assert engine_lib._compile_in_place(model, with_train(), CPU) == (False, False)  # null: off on CPU
     with pytest.warns(UserWarning, match="zero_stage=3"):
-        assert not engine_lib._compile_in_place(model, with_train(compile=True, zero_stage=3), CPU)
+        assert engine_lib._compile_in_place(model, with_train(compile=True, zero_stage=3, cuda_graphs=True),
+                                            CPU) == (False, False)
     assert all(layer._compiled_call_impl is None for layer in model.layers)
+
+
+def test_cuda_graphs_on_a_cuda_device_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """train.cuda_graphs asks compile_model for CUDA graphs on CUDA; on CPU it says in one line that it cannot and
+    compiles without them; with train.compile=false it is a config error naming both keys."""
+    asked: list[bool] = []
+    monkeypatch.setattr(engine_lib, "compile_model", lambda model, mode, cuda_graphs: asked.append(cuda_graphs))
+    config = with_train(compile=True, cuda_graphs=True)
+    cuda_rank = dataclasses.replace(CPU, device=CUDA)
+    assert engine_lib._compile_in_place(GPT(tiny_config().model), config, cuda_rank) == (True, True)
+    with pytest.warns(UserWarning, match="train.cuda_graphs: CUDA graphs need a CUDA device, this run's is cpu"):
+        assert engine_lib._compile_in_place(GPT(tiny_config().model), config, CPU) == (True, False)
+    assert engine_lib._compile_in_place(GPT(tiny_config().model), with_train(compile=True), cuda_rank) == (True, False)
+    assert asked == [True, False, False]
+    with pytest.raises(ValueError, match=r"^train.cuda_graphs=true: .* set train.compile to true or null"):
+        with_train(compile=False, cuda_graphs=True)
+
+
+def test_cuda_graphs_with_accumulation_only_where_each_micro_batchs_gradients_leave_the_graphs() -> None:
+    assert engine_lib.cuda_graphs_problem(True, 16, flat_sums=True) is None  # the paper config: bf16, ZeRO 1, fp32 sums
+    assert engine_lib.cuda_graphs_problem(True, 1, flat_sums=False) is None
+    assert engine_lib.cuda_graphs_problem(False, 16, flat_sums=False) is None
+    problem = engine_lib.cuda_graphs_problem(True, 16, flat_sums=False)
+    assert problem is not None and problem.startswith("train.cuda_graphs=true with 16 micro batches per step: ")
+    assert "train.grad_accum_dtype=fp32" in problem and "\n" not in problem
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_evaluations_run_eagerly_beside_cuda_graphs(cuda_graphs: bool) -> None:
+    """An evaluation's forwards (other lengths, no grad) neither recompile nor record graphs beside the training
+    ones when those are CUDA graphs: under ``StagedEngine.evaluating`` compiled code runs as its eager self."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recording_backend(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> typing.Callable:
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    double = torch.compile(lambda x: x * 2, backend=recording_backend)
+    staged = typing.cast(engine_lib.StagedEngine, type("Staged", (), {"cuda_graphs": cuda_graphs})())
+    with engine_lib.StagedEngine.evaluating(staged):
+        assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))
+    assert len(graphs) == (0 if cuda_graphs else 1)
 
 
 def test_fused_adamw_by_default_on_cuda_only() -> None:

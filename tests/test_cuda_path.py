@@ -6,6 +6,8 @@ a host tensor into the model's device, ``item``, ``nonzero``, ``equal``."""
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any
 
 import pytest
@@ -206,3 +208,68 @@ def test_qkv_gradient_is_written_once(label: str) -> None:
     backward wrote them (B, H, T, 3D) with ``cat`` and copied that again to (B, T, 3C) with ``clone``."""
     backward = meta_steps(label)[0].phases["backward"].traffic
     assert "stack" in backward and not {"cat", "clone"} & set(backward), dict(backward)
+
+
+def cuda_graphs_training_worker() -> dict[str, Any]:
+    """Three optimizer steps of two micro batches each as training takes them (``StagedEngine``, ``take_step``: bf16
+    on CUDA, ZeRO 1, the flat float32 sums, regional compile) with train.cuda_graphs off and on, then a validation
+    pass under ``StagedEngine.evaluating`` at another length; per mode the losses, the validation sums, whether
+    the engine holds CUDA graphs, and how many graphs inductor skipped (``cudagraph_skips``: launched kernel by
+    kernel after all). On CPU (fp32, no CUDA graphs) it checks only that the code runs."""
+    from torch._dynamo.utils import counters
+
+    from megatron_lite.training import engine as engine_lib
+    from megatron_lite.training.deepspeed_config import resolve_batch_sizes
+    from megatron_lite.training.distributed import init_distributed
+    from megatron_lite.training.step import local_validation_sums, take_step
+
+    dist_info = init_distributed()
+    cuda = dist_info.device.type == "cuda"
+    batches = torch.Generator().manual_seed(1)
+    steps = [[torch.randint(0, 250, (2, 33), generator=batches).to(dist_info.device) for _ in range(2)]
+             for _ in range(3)]
+    held_out = [torch.randint(0, 250, (2, 65), generator=batches).to(dist_info.device)]  # twice the length
+    results: dict[str, Any] = {}
+    for cuda_graphs in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        config = config_lib.from_dict({
+            "model": config_lib.to_dict(tiny_config("coca_slack"))["model"], "precision": "bf16" if cuda else "fp32",
+            "train": {"zero_stage": 1, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                      "compile": True, "cuda_graphs": cuda_graphs, "gradient_clipping": 1.0}})
+        torch.manual_seed(0)
+        model = engine_lib.new_model(config, dist_info)
+        staged = engine_lib.StagedEngine(config, resolve_batch_sizes(config, 1), dist_info, [], model, None)
+        losses = []
+        for micro in steps:
+            outcome = take_step(staged, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]} for ids in micro],
+                                lr=1e-3, inject_nonfinite=False, signalled_here=False, logged=True)
+            losses.append(outcome.loss)
+        with staged.evaluating():
+            validation = local_validation_sums(staged.engine, [{"input_ids": ids[:, :-1], "labels": ids[:, 1:]}
+                                                               for ids in held_out], dist_info.device)
+        results["on" if cuda_graphs else "off"] = {
+            "losses": losses, "validation": list(validation), "cuda_graphs": staged.cuda_graphs,
+            "skipped": counters["inductor"]["cudagraph_skips"]}
+        staged.engine.destroy()
+    torch.distributed.destroy_process_group()
+    return results
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_train_as_the_plain_compiled_regions() -> None:
+    """train.cuda_graphs in the training loop on a GPU: the same losses step after step as without (the kept loss
+    survives the next replay), no region skipped by inductor, and an evaluation at another length beside them."""
+    from conftest import run_single_rank_worker
+
+    results = run_single_rank_worker(__file__, "cuda-graphs-training")
+    off, on = results["off"], results["on"]
+    assert (off["cuda_graphs"], on["cuda_graphs"]) == (False, True)
+    assert on["skipped"] == 0, results
+    torch.testing.assert_close(on["losses"], off["losses"], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(on["validation"], off["validation"], rtol=1e-2, atol=1e-2)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["cuda-graphs-training"]:
+    print(json.dumps(cuda_graphs_training_worker()))

@@ -579,12 +579,14 @@ def section_users_command(settings: CheckSettings, progress: Progress) -> list[d
 
     _free(settings.device)  # the earlier sections' cached blocks: the run below is another process
     rows = []
-    for micro_batch in settings.users_micro_batches or [None]:
+    runs = [(micro_batch, False) for micro_batch in settings.users_micro_batches or [None]]
+    runs += [(micro_batch, True) for micro_batch in settings.users_cuda_graphs]
+    for micro_batch, cuda_graphs in runs:
         rows += run_users_command(settings.mix, settings.tokenizer, settings.vocab_size,
                                   settings.out / "users_command", cuda=settings.device.type == "cuda"
                                   and torch.cuda.is_available(),
                                   timeout_s=USERS_TIMEOUT_S["quick" if settings.quick else "full"], progress=progress,
-                                  micro_batch=micro_batch)
+                                  micro_batch=micro_batch, cuda_graphs=cuda_graphs)
         progress(f"  users_command: {_row_summary(rows[-1])}")
     return rows
 

@@ -49,6 +49,7 @@ class CheckSettings:
     tokenizer: Path | None = None
     vocab_size: int | None = None
     users_micro_batches: list[int] | None = None  # users_command: one run per micro batch (None: the config's)
+    users_cuda_graphs: list[int] = field(default_factory=list)  # users_command: a run with train.cuda_graphs each
 
     def __post_init__(self) -> None:
         if self.sections is None:
@@ -77,6 +78,10 @@ class CheckSettings:
                 or len(set(self.users_micro_batches)) != len(self.users_micro_batches)):
             raise ValueError(f"--users-micro-batch {','.join(map(str, self.users_micro_batches))}: give distinct "
                              "positive micro batches")
+        graphed = self.users_cuda_graphs
+        if min(graphed, default=1) < 1 or len(set(graphed)) != len(graphed):
+            raise ValueError(f"--users-cuda-graphs {','.join(map(str, graphed))}: give distinct "
+                             "positive micro batches")
 
     @property
     def device(self) -> torch.device:
@@ -97,7 +102,8 @@ class CheckSettings:
         return {"quick": self.quick, "smoke": self.smoke, "schemes": list(self.schemes or ()),
                 "micro_batch": self.micro_batch, "compile_mode": self.compile_mode,
                 "extra_compile_modes": list(self.extra_compile_modes),
-                "loss_gemms": list(self.loss_gemms), "users_micro_batches": self.users_micro_batches}
+                "loss_gemms": list(self.loss_gemms), "users_micro_batches": self.users_micro_batches,
+                "users_cuda_graphs": list(self.users_cuda_graphs)}
 
 
 def parse_sections(text: str | None, quick: bool = False) -> list[str]:
@@ -142,11 +148,12 @@ def parse_compile_modes(text: str) -> list[str]:
     return modes
 
 
-def parse_micro_batches(text: str | None) -> list[int] | None:
-    """--users-micro-batch 16,64 as integers (None when not given); a word that is no integer is one error line."""
+def parse_micro_batches(text: str | None, flag: str = "--users-micro-batch") -> list[int] | None:
+    """--users-micro-batch 16,64 (or ``flag``'s list) as integers (None when not given); a word that is no integer
+    is one error line."""
     if text is None:
         return None
     try:
         return [int(word) for word in text.split(",")]
     except ValueError:
-        raise ValueError(f"--users-micro-batch {text}: give micro batches as integers, e.g. 16,64") from None
+        raise ValueError(f"{flag} {text}: give micro batches as integers, e.g. 16,64") from None

@@ -174,6 +174,8 @@ def _validate_train(config: Config) -> None:
     _require(full >= 0, f"train.fault_injection.disk_full_bytes={full}: must be >= 0")
     _require(train.train_epochs > 0, f"train.train_epochs={train.train_epochs}: must be positive")
     _require(train.zero_stage in (0, 1, 2, 3), f"train.zero_stage={train.zero_stage}: must be 0, 1, 2 or 3")
+    _require(not (train.cuda_graphs and train.compile is False),
+             "train.cuda_graphs=true: CUDA graphs replay compiled graphs; set train.compile to true or null, not false")
     _validate_sequence_parallel(config)
     _validate_extrapolation_eval(config)
     _validate_profile(config)

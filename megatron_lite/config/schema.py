@@ -450,6 +450,14 @@ class TrainConfig:
         "time does not grow with the depth) | whole (embedding, blocks and head as one graph, the rotary tables "
         "built outside it: fuses across blocks, at a compile time that grows with the number of layers).",
         default="regional")
+    cuda_graphs: bool = _doc(
+        "CUDA graphs for the compiled graphs (torch.compile's mode=\"reduce-overhead\", inductor's CUDA graph "
+        "trees): each compiled region's kernels replay from one launch, for steps whose GPU waits on the host "
+        "(small micro batches, small models). Needs train.compile on a CUDA device (no effect on CPU); "
+        "evaluations then run eagerly (torch.compiler.set_stance force_eager), so their other lengths record no "
+        "graphs. With more than one micro batch per step it needs each micro batch's gradients summed out of the "
+        "graphs' memory: precision bf16, zero_stage 1, grad_accum_dtype fp32 (the paper config). Off until a GPU "
+        "measurement says it helps (docs/gpu.md).", default=False)
     tf32: bool | None = _doc(
         "TensorFloat-32 tensor cores for float32 matmuls and cuDNN convolutions "
         "(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32), set before the model is "

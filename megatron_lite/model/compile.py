@@ -34,8 +34,9 @@ def compile_model(model: nn.Module, mode: CompileMode = "regional", backend: str
     """Compile ``model`` (a ``GPT``) in place: each of ``model.layers`` and its ``lm_head`` (``regional``), or
     ``model.decode`` (``whole``). ``backend``: torch.compile's (tests pass one that records the graphs).
     ``cuda_graphs``: inductor's CUDA graphs (torch.compile's ``mode="reduce-overhead"``) for each compiled graph,
-    so that a region's kernels replay from one launch; measured by the GPU check only (``regional-cudagraphs``),
-    not a training option (a training loop must then hold no compiled output across steps)."""
+    so that a region's kernels replay from one launch (train.cuda_graphs; the GPU check's ``regional-cudagraphs``
+    rows). A loop that drives them starts each step with ``torch.compiler.cudagraph_mark_step_begin`` and keeps no
+    compiled output past the next replay (training/step.py)."""
     options: dict[str, Any] = {"mode": "reduce-overhead"} if cuda_graphs else {}
     if mode == "whole":
         decode = getattr(model, "decode", None)

@@ -37,6 +37,7 @@ class StagedEngine:
         self.optimizer: SkippableAdamW
         self.selection: Selection | None  # the stage's trainable parameters; None without train.stages
         self.compiled: bool
+        self.cuda_graphs: bool  # the compiled graphs replay as CUDA graphs (train.cuda_graphs on a CUDA device)
         self._build(model, load_universal)
 
     @property
@@ -61,15 +62,24 @@ class StagedEngine:
         mpu = sequence_parallel_mpu(self.config.train.sequence_parallel_size)
         if mpu is not None:
             model.enable_sequence_parallel(mpu.get_sequence_parallel_group())
-        self.compiled = _compile_in_place(model, self.config, self.dist_info)
+        self.compiled, self.cuda_graphs = _compile_in_place(model, self.config, self.dist_info)
         self.optimizer = build_optimizer(model, self.config.train)
         ds_config = deepspeed_config(self.config, self.batch_sizes)
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": load_universal}
         # BF16_Optimizer (bf16 at ZeRO 1, train.grad_accum_dtype=fp32) prints 18 lines of memory figures as it starts
         with contextlib.redirect_stdout(io.StringIO()):
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, mpu=mpu, config=ds_config)
-        fp32_grad_sums.install(self.engine.optimizer)  # ZeRO 1's float32 sums: an add_ per group, not a hook per tensor
+        flat_sums = fp32_grad_sums.install(self.engine.optimizer)  # ZeRO 1's float32 sums: an add_ per group
+        problem = cuda_graphs_problem(self.cuda_graphs, self.batch_sizes.gradient_accumulation_steps, flat_sums)
+        if problem:
+            raise ValueError(problem)
         checkpoint_engine.install(self.engine, self.dist_info.rank)  # safe loads, hashed writes, no rank left in a barrier
+
+    def evaluating(self) -> contextlib.AbstractContextManager[Any]:
+        """The context of an evaluation's forwards: with CUDA graphs, torch.compile's eager stance, so that an
+        evaluation's shapes (the extrapolation curve's lengths) and grad mode neither recompile nor record graphs
+        beside the training ones; else nothing."""
+        return torch.compiler.set_stance("force_eager") if self.cuda_graphs else contextlib.nullcontext()
 
     def next_stage(self, saved: Path, step: int) -> None:
         """Start the stage holding step ``step`` + 1 exactly as a resume from the boundary checkpoint ``saved``
@@ -182,16 +192,33 @@ def compile_announcement(mode: str) -> str:
             f"{COMPILE_FIRST_STEP_SECONDS[mode]} s at 350M on a GPU)")
 
 
-def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: DistributedInfo) -> bool:
+def cuda_graphs_problem(cuda_graphs: bool, accumulation: int, flat_sums: bool) -> str | None:
+    """Why this engine cannot train with CUDA graphs, or None. A gradient that autograd writes during a replay lives
+    in the graphs' memory, which the next micro batch's replay overwrites: accumulating into it across micro batches
+    is wrong (inductor poisons it). The flat float32 sums (``fp32_grad_sums``) take each micro batch's gradients
+    out and release them at the end of its backward; without them, only one micro batch per step is safe."""
+    if not cuda_graphs or accumulation == 1 or flat_sums:
+        return None
+    return (f"train.cuda_graphs=true with {accumulation} micro batches per step: gradients accumulated across CUDA "
+            "graph replays would be overwritten; use precision=bf16, train.zero_stage=1 and "
+            "train.grad_accum_dtype=fp32 (each micro batch's gradients summed out of the graphs), or one micro batch "
+            "per step")
+
+
+def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: DistributedInfo) -> tuple[bool, bool]:
     """``compile_model`` as train.compile_mode says (each block, or the model's whole call): in place, so its
     state-dict keys stay as they are (no ``_orig_mod.`` prefix) and checkpoints move freely between compiled
-    and eager runs."""
+    and eager runs. Returns (compiled, with CUDA graphs)."""
     if not use_compile(config, dist_info.device):
-        return False
+        return False, False
     if config.train.zero_stage == 3:  # ZeRO-3 gathers parameters in module hooks that a compiled graph would trace
         if dist_info.is_main:
             notice("train.compile: not with train.zero_stage=3 (its parameter-gathering hooks do not trace); "
                    "training eagerly")
-        return False
-    compile_model(model, config.train.compile_mode)
-    return True
+        return False, False
+    cuda_graphs = config.train.cuda_graphs and dist_info.device.type == "cuda"
+    if config.train.cuda_graphs and not cuda_graphs and dist_info.is_main:
+        notice(f"train.cuda_graphs: CUDA graphs need a CUDA device, this run's is {dist_info.device.type}; "
+               "compiled without them")
+    compile_model(model, config.train.compile_mode, cuda_graphs=cuda_graphs)
+    return True, cuda_graphs

@@ -139,8 +139,9 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
         if extrapolation is not None and state.step == 0 and train.extrapolation_eval.at_start:
             side_work_start = time.perf_counter()
             try:
-                report.extrapolation(extrapolation, staged.engine, state, evaluation_interrupt_check(
-                    stop, dist_info.device, dist_info.world_size))
+                with staged.evaluating():
+                    report.extrapolation(extrapolation, staged.engine, state, evaluation_interrupt_check(
+                        stop, dist_info.device, dist_info.world_size))
             except EvaluationInterrupted:  # the first step sees the signal and saves
                 _say_evaluation_dropped(dist_info, state.step, stop)
             report.throughput.exclude_since(side_work_start)
@@ -173,10 +174,12 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
                 sigterm_now = dist_info.is_main and train.fault_injection.sigterm_during_evaluation_step == state.step
                 check_interrupt = evaluation_interrupt_check(stop, dist_info.device, dist_info.world_size, sigterm_now)
                 try:
-                    if validation_due:
-                        result.val_loss = report.validation(staged.engine, valid_loader, state.step, check_interrupt)
-                    if extrapolation_due:
-                        report.extrapolation(extrapolation, staged.engine, state, check_interrupt)
+                    with staged.evaluating():
+                        if validation_due:
+                            result.val_loss = report.validation(staged.engine, valid_loader, state.step,
+                                                                check_interrupt)
+                        if extrapolation_due:
+                            report.extrapolation(extrapolation, staged.engine, state, check_interrupt)
                 except EvaluationInterrupted:
                     _say_evaluation_dropped(dist_info, state.step, stop)
                     end = policies.step_end(state.step, stop.received(on_any_rank=True))
@@ -245,7 +248,7 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
     dist_info = staged.dist_info
     console(
         f"model: {counted_parameter_count(config.model):,} parameters, scheme {config.model.position.label}, "
-        f"precision {config.precision}{' (compiled)' if staged.compiled else ''}, ZeRO {config.train.zero_stage}, "
+        f"precision {config.precision}{_compiled_label(staged)}, ZeRO {config.train.zero_stage}, "
         f"{dist_info.world_size} rank(s)"
         + (f" (sequence parallel {dist_info.sequence_parallel_size})" if dist_info.sequence_parallel_size > 1 else "")
         + " on "
@@ -258,6 +261,10 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
                 "by the interrupted attempt (those steps are redone)")
     if staged.compiled:  # last, just before the first step: the long wait follows it
         console(compile_announcement(config.train.compile_mode))
+
+
+def _compiled_label(staged: StagedEngine) -> str:
+    return " (compiled, CUDA graphs)" if staged.cuda_graphs else " (compiled)" if staged.compiled else ""
 
 
 def _say_evaluation_dropped(dist_info: DistributedInfo, step: int, stop: StopRequest) -> None:

@@ -21,18 +21,21 @@ from megatron_lite.training.engine import StagedEngine
 
 
 def train_step(engine: Any, micro_batches: list[dict[str, torch.Tensor]], device: torch.device,
-               inject_nonfinite: bool = False) -> torch.Tensor:
+               inject_nonfinite: bool = False, cuda_graphs: bool = False) -> torch.Tensor:
     """Forward/backward over one step's micro batches (DeepSpeed accumulates); returns the (local)
-    summed loss of the micro batches, before the optimizer step is taken or skipped by the caller."""
+    summed loss of the micro batches, before the optimizer step is taken or skipped by the caller.
+    ``cuda_graphs``: the compiled graphs replay as CUDA graphs (``StagedEngine.cuda_graphs``)."""
     losses = []
     for batch in micro_batches:
         input_ids = batch["input_ids"].to(device, non_blocking=True)  # (B, T)
         labels = batch["labels"].to(device, non_blocking=True)  # (B, T), already shifted
+        if cuda_graphs:  # each micro batch a new step of the graphs, whose outputs the next replay overwrites
+            torch.compiler.cudagraph_mark_step_begin()
         loss = engine(input_ids, labels=labels)  # fused LM head + cross entropy (train.fused_loss)
         if inject_nonfinite:
             loss = loss * float("nan")
         engine.backward(loss)
-        losses.append(loss.detach())
+        losses.append(loss.detach().clone() if cuda_graphs else loss.detach())  # kept past the next replay
         if len(losses) < len(micro_batches):
             engine.step()  # not a boundary: DeepSpeed only counts the micro step
     return torch.stack(losses).float().sum()
@@ -53,7 +56,7 @@ def take_step(staged: StagedEngine, micro_batches: list[dict[str, torch.Tensor]]
     engine, dist_info = staged.engine, staged.dist_info
     for group in staged.optimizer.param_groups:
         group["lr"] = lr
-    local_loss = train_step(engine, micro_batches, dist_info.device, inject_nonfinite)
+    local_loss = train_step(engine, micro_batches, dist_info.device, inject_nonfinite, staged.cuda_graphs)
     finite = torch.isfinite(local_loss)
     step_values = torch.stack([torch.where(finite, local_loss, torch.zeros_like(local_loss)), finite.float(),
                                local_loss.new_tensor(float(signalled_here))])  # (3,)
