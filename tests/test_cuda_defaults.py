@@ -94,6 +94,8 @@ def test_compile_mode_compiles_each_block_or_the_whole_model(mode: str) -> None:
     announced = engine_lib.compile_announcement(mode)
     assert announced.startswith(f"compiling the model ({mode}: ") and "\n" not in announced
     assert f"about {engine_lib.COMPILE_FIRST_STEP_SECONDS[mode]} s" in announced
+    graphed = engine_lib.compile_announcement(mode, cuda_graphs=True)
+    assert "CUDA graphs recorded in the second micro batch" in graphed and "\n" not in graphed
 
 
 def test_compile_off_on_cpu_and_at_zero_3() -> None:

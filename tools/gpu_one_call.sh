@@ -5,17 +5,21 @@
 #
 # WHEELS_DIR  the wheels of tools/fetch_wheels.py (installed into /tmp/site); '-' installs nothing
 # BUNDLE      a data bundle of tools/build_data_bundle.py (BUNDLE.sha256 beside it): the users' command's data
-# OUT         receives log.txt (everything printed), gpu_check.md/.json, users_command_log.txt,
+# OUT         receives log.txt (everything printed), gpu_tests.txt, gpu_check.md/.json, users_command_log.txt,
 #             users_command_metrics.jsonl, users_command_profile_* (its profiled step: table, summary, trace)
 #             and results_board.md (this check's results board row)
 #
 # Phases, each under its own timeout so that a cut run keeps what the earlier ones measured:
-#   P0  wheels, versions, the bundle checked against its sha256 and unpacked (megatron_lite.bench.users_command)
+#   P0  wheels, versions, the bundle checked against its sha256 and unpacked (megatron_lite.bench.users_command),
+#       then the GPU tests of tests/test_cuda_path.py (no host sync, bf16 rotation, CUDA graphs in the training
+#       loop) into OUT/gpu_tests.txt, under GPU_ONE_CALL_TESTS_S seconds (default 120; 0 skips them)
 #   P1  tools/gpu_check.py --quick (env, parity, memory, throughput, users_command, sync) with the users'
 #       command on the bundle's shards; the extra arguments go to it (e.g. --schemes rope,coca_slack,coca_strict)
 #   P2  the results board row in OUT/results_board.md, also for a check that P1's timeout cut short
 # Environment: PYTHON (python3), GPU_ONE_CALL_WORK (/tmp/gpu_one_call: scratch), GPU_ONE_CALL_SITE (/tmp/site),
-# GPU_ONE_CALL_BUDGET (560: seconds for the whole call; P1 gets what P0 left, less 30 s for P2).
+# GPU_ONE_CALL_BUDGET (560: seconds for the whole call; P1 gets what P0 left, less 30 s for P2),
+# GPU_ONE_CALL_ARCHIVE (unset; 1: OUT's files packed at the end into OUT/results.tar.xz and, the profiler's traces,
+# OUT/traces.tar.xz, for a job that brings back only a few files).
 set -u -o pipefail
 
 USAGE="bash tools/gpu_one_call.sh WHEELS_DIR BUNDLE OUT [extra tools/gpu_check.py arguments]"
@@ -31,6 +35,12 @@ DATA_ARGS=$(timeout 180 "$PY" -m megatron_lite.bench.users_command "$BUNDLE" "$W
 if [ $? -ne 0 ] || [ -z "$DATA_ARGS" ]; then
   echo "[t=$(el)] the bundle did not unpack: the users_command section will be a skipped row"
   DATA_ARGS=""
+fi
+TESTS_S=${GPU_ONE_CALL_TESTS_S:-120}
+if [ "$TESTS_S" -gt 0 ]; then
+  timeout -k 10 "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_path.py \
+    > "$OUT/gpu_tests.txt" 2>&1
+  echo "[t=$(el)] GPU tests exited $? (timeout ${TESTS_S} s): $(tail -n 1 "$OUT/gpu_tests.txt")"
 fi
 echo "[t=$(el)] P0 done: users_command data: ${DATA_ARGS:-none}"
 
@@ -69,4 +79,13 @@ if [ "$CHECK_RC" -ne 0 ] && [ -f "$WORK/check/gpu_check.json" ]; then
   timeout 60 "$PY" tools/gpu_check.py --quick --board-only --out "$WORK/check" --board "$BOARD" $DATA_ARGS "$@"
 fi
 echo "[t=$(el)] end: $OUT"
+if [ "${GPU_ONE_CALL_ARCHIVE:-}" = 1 ]; then
+  exec >/dev/null 2>&1 && sleep 1  # the tee has then written the last of log.txt before it is packed
+  cd "$OUT" && shopt -s nullglob && traces=(*trace*) && others=()
+  for name in *; do
+    case "$name" in *trace*|results.tar.xz|traces.tar.xz) ;; *) others+=("$name") ;; esac
+  done
+  tar -cJf results.tar.xz "${others[@]}" && rm -rf "${others[@]}"
+  [ ${#traces[@]} -gt 0 ] && tar -cJf traces.tar.xz "${traces[@]}" && rm -f "${traces[@]}"
+fi
 exit "$CHECK_RC"
