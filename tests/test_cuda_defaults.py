@@ -121,6 +121,8 @@ def test_cuda_graphs_on_a_cuda_device_only(monkeypatch: pytest.MonkeyPatch) -> N
     assert asked == [True, False, False]
     with pytest.raises(ValueError, match=r"^train.cuda_graphs=true: .* set train.compile to true or null"):
         with_train(compile=False, cuda_graphs=True)
+    with pytest.raises(ValueError, match=r"^train.cuda_graphs=true: not with train.sequence_parallel_size=2 "):
+        with_train(cuda_graphs=True, sequence_parallel_size=2)
 
 
 def test_cuda_graphs_with_accumulation_only_where_each_micro_batchs_gradients_leave_the_graphs() -> None:

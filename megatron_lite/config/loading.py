@@ -176,6 +176,9 @@ def _validate_train(config: Config) -> None:
     _require(train.zero_stage in (0, 1, 2, 3), f"train.zero_stage={train.zero_stage}: must be 0, 1, 2 or 3")
     _require(not (train.cuda_graphs and train.compile is False),
              "train.cuda_graphs=true: CUDA graphs replay compiled graphs; set train.compile to true or null, not false")
+    _require(not (train.cuda_graphs and train.sequence_parallel_size > 1),
+             f"train.cuda_graphs=true: not with train.sequence_parallel_size={train.sequence_parallel_size} (the "
+             "all-to-all around each block's attention has not been tried inside CUDA graphs)")
     _validate_sequence_parallel(config)
     _validate_extrapolation_eval(config)
     _validate_profile(config)
