@@ -86,6 +86,8 @@ class StagedEngine:
         does: a new model with its consolidated weights, the stage's freezing, a new optimizer and engine."""
         self.engine.destroy()
         del self.engine, self.optimizer  # the previous stage's model and optimizer state go before the next ones come
+        if self.cuda_graphs:  # the graph trees recorded over the old parameters, and their memory pools
+            torch._dynamo.reset()
         gc.collect()
         if self.dist_info.device.type == "cuda":
             torch.cuda.empty_cache()
