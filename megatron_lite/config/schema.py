@@ -457,8 +457,7 @@ class TrainConfig:
         "evaluations then run eagerly (torch.compiler.set_stance force_eager), so their other lengths record no "
         "graphs. With more than one micro batch per step it needs each micro batch's gradients summed out of the "
         "graphs' memory: precision bf16, zero_stage 1, grad_accum_dtype fp32 (the paper config). Not with "
-        "sequence_parallel_size > 1. Off until a GPU "
-        "measurement says it helps (docs/gpu.md).", default=False)
+        "sequence_parallel_size > 1. Off until a GPU measurement says it helps (docs/gpu.md).", default=False)
     tf32: bool | None = _doc(
         "TensorFloat-32 tensor cores for float32 matmuls and cuDNN convolutions "
         "(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32), set before the model is "
