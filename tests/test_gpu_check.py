@@ -178,6 +178,7 @@ def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> 
     (["--users-micro-batch", "0"], "--users-micro-batch 0: give distinct positive micro batches"),
     (["--users-cuda-graphs", "16,y"], "--users-cuda-graphs 16,y: give micro batches as integers"),
     (["--users-cuda-graphs", "0"], "--users-cuda-graphs 0: give distinct positive micro batches"),
+    (["--sdpa-kernel", "auto,fa3"], "--sdpa-kernel auto,fa3: unknown kernel(s) fa3"),
     (["--vocab-size", "100"], "--mix, --tokenizer and --vocab-size go together"),
     (["--mix", "no/such/mix.yml", "--tokenizer", "t.model", "--vocab-size", "100"],
      "--mix no/such/mix.yml: no such file"),
@@ -209,6 +210,22 @@ def test_quick_settings_and_throughput_rows() -> None:
     graphs = gpu_check_settings.CheckSettings(out=Path("unused"), quick=True,
                                               extra_compile_modes=["regional-cudagraphs"])
     assert gpu_check.throughput_runs(graphs)[-1].compile_mode == "regional-cudagraphs"
+    # --sdpa-kernel auto,flash: a compiled rope row with torch's SDPA pinned to its flash kernel, last
+    kernels = gpu_check_settings.CheckSettings(out=Path("unused"), quick=True,
+                                               sdpa_kernels=gpu_check_settings.parse_sdpa_kernels("auto,flash"))
+    last = gpu_check.throughput_runs(kernels)[-1]
+    assert (last.model, last.mode, last.sdpa_kernel, last.label) == ("rope", "compiled", "flash",
+                                                                     "rope compiled (sdpa flash)")
+
+
+def test_sdpa_kernel_rows_pin_torchs_kernel() -> None:
+    """A row's kernel is pinned, not preferred: on CPU, where cuDNN has no kernel, SDPA then has none to run."""
+    q_BHTD = torch.randn(1, 2, 8, 4)
+    with gpu_check.sdpa_kernel_context("flash"):
+        torch.nn.functional.scaled_dot_product_attention(q_BHTD, q_BHTD, q_BHTD, is_causal=True)
+    with gpu_check.sdpa_kernel_context("cudnn"), pytest.raises(RuntimeError):
+        torch.nn.functional.scaled_dot_product_attention(q_BHTD, q_BHTD, q_BHTD, is_causal=True)
+    assert gpu_check.sdpa_auto_kernel(torch.device("cpu")) == "FLASH_ATTENTION"  # torch's choice on a CPU
 
 
 def test_cudagraphs_compile_modes_ask_inductor_for_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,9 +29,10 @@ from typing import Any
 
 from megatron_lite import results_board
 from megatron_lite.bench.gpu_check import load_results, run_check
-from megatron_lite.bench.gpu_check_settings import (BENCH_COMPILE_MODES, LOSS_GEMMS, QUICK_SECTIONS, SECTIONS,
-                                                    CheckSettings, parse_compile_modes, parse_loss_gemms,
-                                                    parse_micro_batches, parse_schemes, parse_sections)
+from megatron_lite.bench.gpu_check_settings import (BENCH_COMPILE_MODES, LOSS_GEMMS, QUICK_SECTIONS, SDPA_KERNELS,
+                                                    SECTIONS, CheckSettings, parse_compile_modes, parse_loss_gemms,
+                                                    parse_micro_batches, parse_schemes, parse_sdpa_kernels,
+                                                    parse_sections)
 from megatron_lite.cli import cli_main, run_cli
 
 
@@ -73,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss-gemm", default="mixed", metavar="GEMM,...",
                         help=f"model.lm_head.gemm ({', '.join(LOSS_GEMMS)}): the first for every row of ours, each "
                              "further one an extra rope eager throughput row")
+    parser.add_argument("--sdpa-kernel", default="auto", metavar="KERNEL,...",
+                        help=f"torch's SDPA kernel ({', '.join(SDPA_KERNELS)}; auto: torch's own choice, named in "
+                             "env): the first for every throughput row, each further one an extra compiled rope row")
     parser.add_argument("--mix", type=Path, default=None, help="users_command: the data mix file")
     parser.add_argument("--tokenizer", type=Path, default=None, help="users_command: the mix's tokenizer model")
     parser.add_argument("--vocab-size", type=int, default=None, help="users_command: model.vocab_size for it")
@@ -97,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
                              micro_batch=args.micro_batch, max_batch=args.max_batch, compile_mode=compile_modes[0],
                              extra_compile_modes=compile_modes[1:],
                              loss_gemms=parse_loss_gemms(args.loss_gemm),
+                             sdpa_kernels=parse_sdpa_kernels(args.sdpa_kernel),
                              mix=args.mix.resolve() if args.mix else None,
                              tokenizer=args.tokenizer.resolve() if args.tokenizer else None, vocab_size=args.vocab_size,
                              users_micro_batches=parse_micro_batches(args.users_micro_batch),

@@ -16,6 +16,7 @@ depends on is a field of ``CheckSettings``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import importlib.metadata
 import json
@@ -114,12 +115,23 @@ def section_env(settings: CheckSettings, progress: Progress) -> list[dict[str, A
         name = torch.cuda.get_device_name()
         peak = next((value for key, value in KNOWN_PEAK_TFLOPS.items() if key in name), None)
         rows.append({"item": "peak bf16 TFLOP/s", "value": str(peak) if peak else "unknown"})
+        rows.append({"item": "SDPA kernel torch picks (bf16, causal, 16 x 16 heads x 512 x 64)",
+                     "value": sdpa_auto_kernel(torch.device("cuda"))})
         precision = torch.get_float32_matmul_precision()  # 'highest': no TF32 for float32 matmuls
         rows.append({"item": "float32 matmul precision (this process)",
                      "value": precision + (" (no TF32)" if precision == "highest" else " (TF32)")})
     else:
         rows.append({"item": "GPU memory", "value": "skipped: no CUDA"})
     return rows
+
+
+def sdpa_auto_kernel(device: torch.device) -> str:
+    """The kernel torch's SDPA dispatches a causal bf16 attention of the 350M training shape to on ``device``
+    (``torch._fused_sdp_choice``, the function SDPA itself asks), by its SDPBackend name."""
+    from torch.nn.attention import SDPBackend
+
+    q_BHTD = torch.empty(16, 16, 512, 64, dtype=torch.bfloat16, device=device)
+    return SDPBackend(torch._fused_sdp_choice(q_BHTD, q_BHTD, q_BHTD, is_causal=True)).name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,6 +310,7 @@ class ThroughputRun:
     compiled: bool
     loss_gemm: str | None  # ours: model.lm_head.gemm; the HF twin: None
     compile_mode: str | None = None  # ours compiled: megatron_lite.model.compile's mode (None: the check's first)
+    sdpa_kernel: str | None = None  # torch's SDPA kernel pinned for the row (None: the check's first)
 
     @property
     def is_hf(self) -> bool:
@@ -310,7 +323,8 @@ class ThroughputRun:
     @property
     def label(self) -> str:
         """For progress lines: model, mode and an extra compile mode."""
-        return f"{self.model} {self.mode}" + (f" ({self.compile_mode})" if self.compile_mode else "")
+        extras = [extra for extra in (self.compile_mode, self.sdpa_kernel and f"sdpa {self.sdpa_kernel}") if extra]
+        return f"{self.model} {self.mode}" + (f" ({', '.join(extras)})" if extras else "")
 
 
 def throughput_runs(settings: CheckSettings) -> list[ThroughputRun]:
@@ -326,7 +340,20 @@ def throughput_runs(settings: CheckSettings) -> list[ThroughputRun]:
     runs += [ThroughputRun(label, True, gemm) for label in COMPILE_ORDER if label in schemes]
     runs.append(ThroughputRun(HF_TWIN, True, None))
     runs += [ThroughputRun(timed_scheme, True, gemm, mode) for mode in settings.extra_compile_modes]
+    runs += [ThroughputRun(timed_scheme, True, gemm, sdpa_kernel=kernel) for kernel in settings.sdpa_kernels[1:]]
     return runs
+
+
+def sdpa_kernel_context(kernel: str) -> contextlib.AbstractContextManager[Any]:
+    """torch's SDPA pinned to ``kernel`` (one of SDPA_KERNELS) while a row compiles and runs; auto: torch's choice.
+    A compiled graph takes the kernel chosen while it is traced, so the row's model is built and compiled inside."""
+    if kernel == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                "efficient": SDPBackend.EFFICIENT_ATTENTION}
+    return sdpa_kernel(backends[kernel])
 
 
 def loss_gemm_supported(config: Config) -> bool:
@@ -363,7 +390,8 @@ def section_throughput(settings: CheckSettings, progress: Progress) -> list[dict
     for run in throughput_runs(settings):
         config = big_config(settings, "rope" if run.is_hf else run.model, precision=precision)
         gemm = run.loss_gemm if gemm_option or run.loss_gemm is None else "n/a (no lm_head.gemm)"
-        row: dict[str, Any] = {"model": run.model, "mode": run.mode, "loss_gemm": gemm}
+        kernel = run.sdpa_kernel or settings.sdpa_kernels[0]
+        row: dict[str, Any] = {"model": run.model, "mode": run.mode, "loss_gemm": gemm, "sdpa_kernel": kernel}
         compile_mode = run.compile_mode or settings.compile_mode
         if run.compiled:
             row["compile"] = "model.compile()" if run.is_hf else compile_mode
@@ -393,8 +421,9 @@ def section_throughput(settings: CheckSettings, progress: Progress) -> list[dict
             timing = None
             while timing is None:
                 try:
-                    timing = _measure(config, run.is_hf, device, run.compiled, batch_size, warmup, steps,
-                                      compile_mode, run.loss_gemm)
+                    with sdpa_kernel_context(kernel):
+                        timing = _measure(config, run.is_hf, device, run.compiled, batch_size, warmup, steps,
+                                          compile_mode, run.loss_gemm)
                 except RuntimeError as error:
                     if not _is_oom(error) or batch_size == 1:
                         raise

@@ -16,6 +16,9 @@ CUDA_GRAPHS_SUFFIX = "-cudagraphs"
 # replaying a region's kernels from one launch would give the host-bound step, not a training option yet
 BENCH_COMPILE_MODES: tuple[str, ...] = (*COMPILE_MODES, *(mode + CUDA_GRAPHS_SUFFIX for mode in COMPILE_MODES))
 from megatron_lite.model.loss import LOSS_GEMMS
+
+# torch's SDPA kernels a throughput row can pin (torch.nn.attention.sdpa_kernel); auto: torch's own choice
+SDPA_KERNELS = ("auto", "cudnn", "flash", "efficient")
 from megatron_lite.model.variants import LABELS
 
 SECTIONS = ("env", "parity", "memory", "throughput", "sequence_parallel", "train", "users_command", "sync")
@@ -44,6 +47,8 @@ class CheckSettings:
     extra_compile_modes: list[str] = field(default_factory=list)  # each adds a compiled rope throughput row, last
     loss_gemms: list[str] = field(default_factory=lambda: ["mixed"])  # the first for every row of ours; each
     # further one adds a rope eager throughput row under it
+    sdpa_kernels: list[str] = field(default_factory=lambda: ["auto"])  # the first for every throughput row; each
+    # further one adds a compiled rope row, last
     section_budget_s: float | None = None  # None: FULL_BUDGET_S (quick: QUICK_BUDGET_S per section)
     mix: Path | None = None  # users_command's data: a mix file, its tokenizer and vocabulary
     tokenizer: Path | None = None
@@ -68,6 +73,10 @@ class CheckSettings:
         if unknown or not self.loss_gemms or len(set(self.loss_gemms)) != len(self.loss_gemms):
             raise ValueError(f"--loss-gemm {','.join(self.loss_gemms)}: give distinct values from "
                              f"{', '.join(LOSS_GEMMS)}")
+        unknown = [kernel for kernel in self.sdpa_kernels if kernel not in SDPA_KERNELS]
+        if unknown or not self.sdpa_kernels or len(set(self.sdpa_kernels)) != len(self.sdpa_kernels):
+            raise ValueError(f"--sdpa-kernel {','.join(self.sdpa_kernels)}: give distinct values from "
+                             f"{', '.join(SDPA_KERNELS)}")
         given = [self.mix is not None, self.tokenizer is not None, self.vocab_size is not None]
         if any(given) and not all(given):
             raise ValueError("--mix, --tokenizer and --vocab-size go together (users_command's data)")
@@ -102,7 +111,8 @@ class CheckSettings:
         return {"quick": self.quick, "smoke": self.smoke, "schemes": list(self.schemes or ()),
                 "micro_batch": self.micro_batch, "compile_mode": self.compile_mode,
                 "extra_compile_modes": list(self.extra_compile_modes),
-                "loss_gemms": list(self.loss_gemms), "users_micro_batches": self.users_micro_batches,
+                "loss_gemms": list(self.loss_gemms), "sdpa_kernels": list(self.sdpa_kernels),
+                "users_micro_batches": self.users_micro_batches,
                 "users_cuda_graphs": list(self.users_cuda_graphs)}
 
 
@@ -137,6 +147,11 @@ def parse_schemes(text: str | None) -> list[str] | None:
 def parse_loss_gemms(text: str) -> list[str]:
     """--loss-gemm a,b as model.lm_head.gemm values; an unknown one is one error line naming it."""
     return _comma_list("--loss-gemm", text, LOSS_GEMMS, "value(s)")
+
+
+def parse_sdpa_kernels(text: str) -> list[str]:
+    """--sdpa-kernel auto,flash as SDPA kernel names; an unknown one is one error line naming it."""
+    return _comma_list("--sdpa-kernel", text, SDPA_KERNELS, "kernel(s)")
 
 
 def parse_compile_modes(text: str) -> list[str]:
