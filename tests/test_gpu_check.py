@@ -228,8 +228,9 @@ def test_sdpa_kernel_rows_pin_torchs_kernel() -> None:
     assert gpu_check.sdpa_auto_kernel(torch.device("cpu")) == "FLASH_ATTENTION"  # torch's choice on a CPU
 
 
-def test_cudagraphs_compile_modes_ask_inductor_for_cuda_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """gpu_check's ``-cudagraphs`` rows: the same regions compiled with torch.compile's mode="reduce-overhead"."""
+def test_cudagraphs_and_max_autotune_compile_modes_ask_inductor_for_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu_check's ``-cudagraphs`` rows: the same regions compiled with torch.compile's mode="reduce-overhead";
+    ``-max-autotune`` rows: with mode="max-autotune-no-cudagraphs" (GEMM autotuning, fused epilogues)."""
     calls: list[dict[str, object]] = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: calls.append(kwargs))
     model = GPT(config_lib.from_dict({"model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
@@ -239,6 +240,9 @@ def test_cudagraphs_compile_modes_ask_inductor_for_cuda_graphs(monkeypatch: pyte
     calls.clear()
     gpu_check._compile(model, False, "regional")
     assert calls == [{"backend": "inductor"}] * 3
+    calls.clear()
+    gpu_check._compile(model, False, "regional-max-autotune")
+    assert calls == [{"backend": "inductor", "mode": "max-autotune-no-cudagraphs"}] * 3
 
 
 def test_users_command_reads_metrics_and_warnings(tmp_path: Path) -> None:

@@ -68,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch", type=int, default=64, help="largest micro batch the throughput search tries")
     parser.add_argument("--compile-mode", default="regional", metavar="MODE,...",
                         help=f"how our model is compiled ({', '.join(BENCH_COMPILE_MODES)}; "
-                             "megatron_lite.model.compile; -cudagraphs: with inductor's CUDA graphs, a measurement "
-                             "only): the first for every compiled row of ours, each further one an extra compiled rope "
-                             "throughput row; the HF twin: model.compile()")
+                             "megatron_lite.model.compile; -cudagraphs: with inductor's CUDA graphs, -max-autotune: "
+                             "with its GEMM autotuning and fused epilogues, measurements only): the first for every "
+                             "compiled row of ours, each further one an extra compiled rope throughput row; the HF "
+                             "twin: model.compile()")
     parser.add_argument("--loss-gemm", default="mixed", metavar="GEMM,...",
                         help=f"model.lm_head.gemm ({', '.join(LOSS_GEMMS)}): the first for every row of ours, each "
                              "further one an extra rope eager throughput row")

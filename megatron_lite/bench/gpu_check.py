@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
-from megatron_lite.bench.gpu_check_settings import CUDA_GRAPHS_SUFFIX, SECTIONS, CheckSettings
+from megatron_lite.bench.gpu_check_settings import CUDA_GRAPHS_SUFFIX, MAX_AUTOTUNE_SUFFIX, SECTIONS, CheckSettings
 from megatron_lite.bench.gpu_check_train import CONFIG_350M, CONFIG_TINY, section_train
 from megatron_lite.files import write_text_atomic
 from megatron_lite.model import GPT
@@ -254,8 +254,9 @@ def _compile(model: torch.nn.Module, is_hf: bool, mode: str) -> None:
     if is_hf:
         model.compile()
     else:
-        cuda_graphs = mode.endswith(CUDA_GRAPHS_SUFFIX)
-        compile_model(model, mode.removesuffix(CUDA_GRAPHS_SUFFIX), cuda_graphs=cuda_graphs)  # type: ignore[arg-type]
+        base = mode.removesuffix(CUDA_GRAPHS_SUFFIX).removesuffix(MAX_AUTOTUNE_SUFFIX)
+        compile_model(model, base, cuda_graphs=mode.endswith(CUDA_GRAPHS_SUFFIX),  # type: ignore[arg-type]
+                      max_autotune=mode.endswith(MAX_AUTOTUNE_SUFFIX))
 
 
 def _build_for_throughput(config: Config, is_hf: bool, device: torch.device, compiled: bool,

@@ -10,16 +10,18 @@ from typing import Any
 import torch
 
 from megatron_lite.model.compile import COMPILE_MODES
-
-CUDA_GRAPHS_SUFFIX = "-cudagraphs"
-# the training modes, and each with inductor's CUDA graphs (compile_model's cuda_graphs): a measurement of what
-# replaying a region's kernels from one launch would give the host-bound step, not a training option yet
-BENCH_COMPILE_MODES: tuple[str, ...] = (*COMPILE_MODES, *(mode + CUDA_GRAPHS_SUFFIX for mode in COMPILE_MODES))
 from megatron_lite.model.loss import LOSS_GEMMS
+from megatron_lite.model.variants import LABELS
 
+CUDA_GRAPHS_SUFFIX, MAX_AUTOTUNE_SUFFIX = "-cudagraphs", "-max-autotune"
+# the training modes, and each with inductor's CUDA graphs (compile_model's cuda_graphs: what replaying a region's
+# kernels from one launch gives the model alone; train.cuda_graphs in training) or with its GEMM autotuning and
+# fused epilogues (compile_model's max_autotune, a measurement only)
+BENCH_COMPILE_MODES: tuple[str, ...] = (*COMPILE_MODES, *(mode + suffix for suffix in (CUDA_GRAPHS_SUFFIX,
+                                                                                       MAX_AUTOTUNE_SUFFIX)
+                                                          for mode in COMPILE_MODES))
 # torch's SDPA kernels a throughput row can pin (torch.nn.attention.sdpa_kernel); auto: torch's own choice
 SDPA_KERNELS = ("auto", "cudnn", "flash", "efficient")
-from megatron_lite.model.variants import LABELS
 
 SECTIONS = ("env", "parity", "memory", "throughput", "sequence_parallel", "train", "users_command", "sync")
 QUICK_SECTIONS = ("env", "parity", "memory", "throughput", "users_command", "sync")

@@ -29,15 +29,25 @@ CompileMode = Literal["regional", "whole"]
 COMPILE_MODES: tuple[str, ...] = ("regional", "whole")
 
 
+def inductor_mode(cuda_graphs: bool, max_autotune: bool) -> str | None:
+    """torch.compile's ``mode`` for inductor's CUDA graphs and its GEMM autotuning (None: the default)."""
+    if max_autotune:
+        return "max-autotune" if cuda_graphs else "max-autotune-no-cudagraphs"
+    return "reduce-overhead" if cuda_graphs else None
+
+
 def compile_model(model: nn.Module, mode: CompileMode = "regional", backend: str | Callable[..., Any] = "inductor",
-                  cuda_graphs: bool = False) -> None:
+                  cuda_graphs: bool = False, max_autotune: bool = False) -> None:
     """Compile ``model`` (a ``GPT``) in place: each of ``model.layers`` and its ``lm_head`` (``regional``), or
     ``model.decode`` (``whole``). ``backend``: torch.compile's (tests pass one that records the graphs).
     ``cuda_graphs``: inductor's CUDA graphs (torch.compile's ``mode="reduce-overhead"``) for each compiled graph,
     so that a region's kernels replay from one launch (train.cuda_graphs; the GPU check's ``regional-cudagraphs``
     rows). A loop that drives them starts each step with ``torch.compiler.cudagraph_mark_step_begin`` and keeps no
-    compiled output past the next replay (training/step.py)."""
-    options: dict[str, Any] = {"mode": "reduce-overhead"} if cuda_graphs else {}
+    compiled output past the next replay (training/step.py). ``max_autotune``: inductor benchmarks Triton GEMM
+    templates against cuBLAS for each GEMM and fuses elementwise epilogues (bias, GELU) into the Triton ones it
+    keeps, at minutes of compile time (the GPU check's ``-max-autotune`` rows; a measurement only)."""
+    chosen = inductor_mode(cuda_graphs, max_autotune)
+    options: dict[str, Any] = {"mode": chosen} if chosen else {}
     if mode == "whole":
         decode = getattr(model, "decode", None)
         if decode is None:
