@@ -145,7 +145,7 @@ def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> 
     assert rows[("rope", "compiled", "mixed")]["compile"] == "regional"
     assert rows[("hf_twin", "compiled", None)]["compile"] == "model.compile()"
     assert all(row["status"].startswith("skipped: --smoke") for (_, mode, _), row in rows.items() if mode == "compiled")
-    users = results["users_command"]["rows"]  # one run per --users-micro-batch value, then per --users-cuda-graphs one
+    users = results["users_command"]["rows"]  # a run per --users-micro-batch, then per --users-cuda-graphs value
     assert [(row["status"], row["micro_batch"], row["cuda_graphs"]) for row in users] == [
         ("skipped: no CUDA", 16, False), ("skipped: no CUDA", 64, False), ("skipped: no CUDA", 16, True)]
     assert users[1]["command"] == users_command.SHOWN_COMMAND + " --set train.train_micro_batch_size_per_gpu=64"
