@@ -174,8 +174,6 @@ def _validate_train(config: Config) -> None:
     _require(full >= 0, f"train.fault_injection.disk_full_bytes={full}: must be >= 0")
     _require(train.train_epochs > 0, f"train.train_epochs={train.train_epochs}: must be positive")
     _require(train.zero_stage in (0, 1, 2, 3), f"train.zero_stage={train.zero_stage}: must be 0, 1, 2 or 3")
-    _require(not (train.cuda_graphs and train.compile is False),
-             "train.cuda_graphs=true: CUDA graphs replay compiled graphs; set train.compile to true or null, not false")
     _require(not (train.cuda_graphs and train.sequence_parallel_size > 1),
              f"train.cuda_graphs=true: not with train.sequence_parallel_size={train.sequence_parallel_size} (the "
              "all-to-all around each block's attention has not been tried inside CUDA graphs)")

@@ -214,6 +214,10 @@ def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: Distrib
     state-dict keys stay as they are (no ``_orig_mod.`` prefix) and checkpoints move freely between compiled
     and eager runs. Returns (compiled, with CUDA graphs)."""
     if not use_compile(config, dist_info.device):
+        if config.train.cuda_graphs and dist_info.is_main:
+            setting = {None: "null", True: "true", False: "false"}[config.train.compile]
+            notice("train.cuda_graphs: CUDA graphs replay compiled graphs, and this run trains eagerly "
+                   f"(train.compile={setting} on {dist_info.device.type}); training without them")
         return False, False
     if config.train.zero_stage == 3:  # ZeRO-3 gathers parameters in module hooks that a compiled graph would trace
         if dist_info.is_main:
