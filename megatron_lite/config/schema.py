@@ -453,8 +453,8 @@ class TrainConfig:
     cuda_graphs: bool = _doc(
         "CUDA graphs for the compiled graphs (torch.compile's mode=\"reduce-overhead\", inductor's CUDA graph "
         "trees): each compiled region's kernels replay from one launch, for steps whose GPU waits on the host "
-        "(small micro batches, small models). Needs train.compile on a CUDA device (elsewhere a one-line notice, "
-        "and none); "
+        "(small micro batches, small models). Needs train.compile on a CUDA device (otherwise the run says so in "
+        "one line and trains without them); "
         "evaluations then run eagerly (torch.compiler.set_stance force_eager), so their other lengths record no "
         "graphs. With more than one micro batch per step it needs each micro batch's gradients summed out of the "
         "graphs' memory: precision bf16, zero_stage 1, grad_accum_dtype fp32 (the paper config). Not with "
