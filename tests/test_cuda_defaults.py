@@ -299,3 +299,39 @@ def test_fused_adamw_runs_under_deepspeeds_bf16_and_zero_wrappers() -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["fused-step"]:
     print(json.dumps(fused_step_worker()))
+
+
+class _ReusedOutputEngine:
+    """A stand-in for a DeepSpeed engine whose model replays CUDA graphs: every forward writes its loss into one
+    output buffer, as a graph replay does, so a loss kept without a copy reads the last micro batch's value."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.buffer, self.values, self.calls = torch.zeros(()), iter(values), 0
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self.buffer.fill_(next(self.values))
+        return self.buffer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.calls += 1
+
+    def step(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_each_micro_batch_starts_a_graph_step_and_its_loss_outlives_the_next_replay(
+        cuda_graphs: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """training/step.py's contract with CUDA graph trees: a new graph step before each micro batch's forward, and
+    the kept loss copied out of the graphs' output buffer (without graphs neither: the losses are fresh tensors)."""
+    from megatron_lite.training.step import train_step
+
+    marks: list[int] = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    engine = _ReusedOutputEngine([1.0, 2.0, 3.0])
+    batch = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "labels": torch.zeros(1, 4, dtype=torch.long)}
+    summed = train_step(engine, [batch] * 3, torch.device("cpu"), cuda_graphs=cuda_graphs)
+    assert engine.calls == 3 and len(marks) == (3 if cuda_graphs else 0)
+    # the stand-in reuses its buffer either way: uncopied, every kept loss reads the last value (3 + 3 + 3); a model
+    # without graphs returns a new tensor each micro batch, so there the copy is not needed
+    assert float(summed) == (6.0 if cuda_graphs else 9.0)
