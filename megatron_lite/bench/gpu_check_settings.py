@@ -71,28 +71,16 @@ class CheckSettings:
                              f"{', '.join(BENCH_COMPILE_MODES)}")
         if self.micro_batch is not None and self.micro_batch < 1:
             raise ValueError(f"--micro-batch {self.micro_batch}: must be >= 1")
-        unknown = [gemm for gemm in self.loss_gemms if gemm not in LOSS_GEMMS]
-        if unknown or not self.loss_gemms or len(set(self.loss_gemms)) != len(self.loss_gemms):
-            raise ValueError(f"--loss-gemm {','.join(self.loss_gemms)}: give distinct values from "
-                             f"{', '.join(LOSS_GEMMS)}")
-        unknown = [kernel for kernel in self.sdpa_kernels if kernel not in SDPA_KERNELS]
-        if unknown or not self.sdpa_kernels or len(set(self.sdpa_kernels)) != len(self.sdpa_kernels):
-            raise ValueError(f"--sdpa-kernel {','.join(self.sdpa_kernels)}: give distinct values from "
-                             f"{', '.join(SDPA_KERNELS)}")
+        _check_choices("--loss-gemm", self.loss_gemms, LOSS_GEMMS)
+        _check_choices("--sdpa-kernel", self.sdpa_kernels, SDPA_KERNELS)
         given = [self.mix is not None, self.tokenizer is not None, self.vocab_size is not None]
         if any(given) and not all(given):
             raise ValueError("--mix, --tokenizer and --vocab-size go together (users_command's data)")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"--vocab-size {self.vocab_size}: must be >= 1")
-        if self.users_micro_batches is not None and (
-                not self.users_micro_batches or min(self.users_micro_batches) < 1
-                or len(set(self.users_micro_batches)) != len(self.users_micro_batches)):
-            raise ValueError(f"--users-micro-batch {','.join(map(str, self.users_micro_batches))}: give distinct "
-                             "positive micro batches")
-        graphed = self.users_cuda_graphs
-        if min(graphed, default=1) < 1 or len(set(graphed)) != len(graphed):
-            raise ValueError(f"--users-cuda-graphs {','.join(map(str, graphed))}: give distinct "
-                             "positive micro batches")
+        if self.users_micro_batches is not None:
+            _check_micro_batches("--users-micro-batch", self.users_micro_batches, allow_none=False)
+        _check_micro_batches("--users-cuda-graphs", self.users_cuda_graphs, allow_none=True)
 
     @property
     def device(self) -> torch.device:
@@ -116,6 +104,19 @@ class CheckSettings:
                 "loss_gemms": list(self.loss_gemms), "sdpa_kernels": list(self.sdpa_kernels),
                 "users_micro_batches": self.users_micro_batches,
                 "users_cuda_graphs": list(self.users_cuda_graphs)}
+
+
+def _check_choices(flag: str, values: list[str], allowed: tuple[str, ...]) -> None:
+    """One error line naming ``flag`` unless ``values`` are one or more distinct members of ``allowed``."""
+    if not values or len(set(values)) != len(values) or any(value not in allowed for value in values):
+        raise ValueError(f"{flag} {','.join(values)}: give distinct values from {', '.join(allowed)}")
+
+
+def _check_micro_batches(flag: str, values: list[int], allow_none: bool) -> None:
+    """One error line naming ``flag`` unless ``values`` are distinct positive micro batches (none only where
+    ``allow_none``)."""
+    if (not values and not allow_none) or min(values, default=1) < 1 or len(set(values)) != len(values):
+        raise ValueError(f"{flag} {','.join(map(str, values))}: give distinct positive micro batches")
 
 
 def parse_sections(text: str | None, quick: bool = False) -> list[str]:
