@@ -64,6 +64,22 @@ def test_every_script_runs_through_the_cli_helper(script: str) -> None:
     assert ast.unparse(tree.body[-1]) == "if __name__ == '__main__':\n    run_cli(main)"
 
 
+def test_run_cli_exits_with_mains_code_and_the_collector_frozen() -> None:
+    """The objects torch and DeepSpeed made are left out of the interpreter's final collections (~1 s a process)."""
+    import gc
+
+    from megatron_lite.cli import run_cli
+
+    assert gc.get_freeze_count() == 0
+    try:
+        with pytest.raises(SystemExit) as exited:
+            run_cli(lambda: 3)
+        assert exited.value.code == 3
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+
+
 def test_config_cli_reports_a_bad_key_in_one_line() -> None:
     result = subprocess.run([sys.executable, "-m", "megatron_lite.config", *CONFIG, *BAD_KEY], cwd=REPO,
                             capture_output=True, text=True, timeout=120)
