@@ -158,6 +158,19 @@ def test_compile_time_worker_at_toy_size() -> None:
 
 
 @pytest.mark.slow
+def test_the_count_lowers_a_concatenation_as_a_gpu_does() -> None:
+    """The rotary's ``x * cos + rotate_half(x) * sin``: one fused kernel, as inductor's GPU backend makes it (its CPU
+    backend would copy the concatenation's two inputs with two kernels of their own first)."""
+    from megatron_lite.bench.compiled_bytes import inductor_counting
+    from megatron_lite.model.rope import rotate_half
+
+    x_BHTD, cos_TD, sin_TD = torch.randn(1, 2, 8, 16), torch.randn(8, 16), torch.randn(8, 16)
+    with inductor_counting() as metrics:
+        rotated = torch.compile(lambda x, c, s: x * c + rotate_half(x) * s)(x_BHTD, cos_TD, sin_TD)
+        assert metrics.generated_kernel_count == 1
+    torch.testing.assert_close(rotated, x_BHTD * cos_TD + rotate_half(x_BHTD) * sin_TD)
+
+
 def test_compiled_bytes_per_layer_and_rest() -> None:
     """Inductor's count, whole-model compiles of the tiny model at one and two layers, ours and the HF twin: every
     figure positive, one block's bytes within a factor of two of the twin's block (same GEMMs, same fused

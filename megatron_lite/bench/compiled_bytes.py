@@ -58,7 +58,9 @@ def inductor_counting() -> Iterator[Any]:
     """While active, inductor counts the bytes of every graph it compiles (``metrics.num_bytes_accessed``, from
     zero) and compiles every graph afresh (no FX-graph or autograd cache hit, which would skip the count), in
     this process (``compile_threads=1``: the count is the same, and a small model compiles in half the time
-    without starting the compile-worker pool)."""
+    without starting the compile-worker pool). A concatenation lowers as on a GPU (``force_pointwise_cat``):
+    inductor's CPU backend copies each input of a ``cat`` with a kernel of its own, where its GPU backend reads
+    the inputs inside the consumer's kernel (the rotary's ``rotate_half``: one kernel, not five)."""
     import torch._functorch.config as functorch_config
     import torch._inductor.compile_fx as compile_fx
     import torch._inductor.config as inductor_config
@@ -70,7 +72,7 @@ def inductor_counting() -> Iterator[Any]:
     log.addHandler(handler)
     log.propagate = False
     try:
-        with inductor_config.patch(fx_graph_cache=False, compile_threads=1), \
+        with inductor_config.patch(fx_graph_cache=False, compile_threads=1, force_pointwise_cat=True), \
                 functorch_config.patch(enable_autograd_cache=False):
             torch._dynamo.reset()
             metrics.reset()
