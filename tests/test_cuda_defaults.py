@@ -252,6 +252,7 @@ def fused_step_worker() -> dict[str, object]:
         return synchronize(*args, **kwargs)
 
     accelerator.synchronize = counted_synchronize  # type: ignore[method-assign]
+    moved = 0
     for precision, stage in FUSED_CASES:
         weights = {}
         for fused in (False, True):
@@ -265,18 +266,20 @@ def fused_step_worker() -> dict[str, object]:
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                               config=deepspeed_config(config, resolve_batch_sizes(config, 1)))
             batches = torch.Generator().manual_seed(1)
+            storage = {name: value.data_ptr() for name, value in engine.module.named_parameters()}
             syncs_in_steps["counting"] = True
             for _ in range(3):
                 tokens = torch.randint(0, 250, (2, 17), generator=batches).to(dist_info.device)
                 engine.backward(language_model_loss(engine(tokens[:, :-1]), tokens[:, 1:]))
                 engine.step()
             syncs_in_steps["counting"] = False
+            moved += sum(value.data_ptr() != storage[name] for name, value in engine.module.named_parameters())
             assert all(bool(group["fused"]) is fused for group in optimizer.param_groups)
             weights[fused] = {name: value.detach().float().cpu() for name, value in engine.module.state_dict().items()}
             engine.destroy()
         error = max((weights[True][name] - weights[False][name]).abs().max().item() for name in weights[False])
         results[f"{precision}_zero{stage}"] = error
-    results["device_syncs"] = syncs_in_steps["calls"]
+    results["device_syncs"], results["moved_parameters"] = syncs_in_steps["calls"], moved
     barrier()
     torch.distributed.destroy_process_group()
     return results
@@ -287,9 +290,12 @@ def test_fused_adamw_runs_under_deepspeeds_bf16_and_zero_wrappers() -> None:
     """One rank, every wrapper the project uses at ZeRO 0-2 (bf16: BF16_Optimizer, ZeRO 1/2: the ZeRO optimizer;
     fp32 ZeRO 0: the client optimizer as is): the fused update equals the unfused one. And no step synchronises
     the device: DeepSpeed's throughput timer, on by default, did twice per micro batch from the third step on
-    (two ``cudaDeviceSynchronize`` per micro batch in the users' command on the H200, 2026-11-27)."""
+    (two ``cudaDeviceSynchronize`` per micro batch in the users' command on the H200, 2026-11-27). Nor does any
+    wrapper move a parameter's storage (train.cuda_graphs replays graphs that read the parameters where they were)."""
     results = run_single_rank_worker(__file__, "fused-step", PYTHONWARNINGS="default")
     assert results.pop("device_syncs") == 0
+    # CUDA graph trees take the parameters as static inputs: one that moved would re-record every graph each step
+    assert results.pop("moved_parameters") == 0
     for case, error in results.items():
         if case != "device":
             # fp32: the fused kernel's rounding, grown over 3 steps (1.5e-5 on CPU, 8e-6 on an H200); bf16: the
