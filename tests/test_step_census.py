@@ -171,6 +171,7 @@ def test_the_count_lowers_a_concatenation_as_a_gpu_does() -> None:
     torch.testing.assert_close(rotated, x_BHTD * cos_TD + rotate_half(x_BHTD) * sin_TD)
 
 
+@pytest.mark.slow
 def test_compiled_bytes_per_layer_and_rest() -> None:
     """Inductor's count, whole-model compiles of the tiny model at one and two layers, ours and the HF twin: every
     figure positive, one block's bytes within a factor of two of the twin's block (same GEMMs, same fused
