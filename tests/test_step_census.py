@@ -175,8 +175,16 @@ def test_the_count_lowers_a_concatenation_as_a_gpu_does() -> None:
 def test_compiled_bytes_per_layer_and_rest() -> None:
     """Inductor's count, whole-model compiles of the tiny model at one and two layers, ours and the HF twin: every
     figure positive, one block's bytes within a factor of two of the twin's block (same GEMMs, same fused
-    elementwise work), the table and ratio lines printed."""
-    from megatron_lite.bench.compiled_bytes import CompiledBytesSettings, format_compiled_bytes, run_compiled_bytes
+    elementwise work), the table and ratio lines printed. And ``--compiled-bytes-kernels``: the block compiled as
+    one region, as training compiles it, lists its kernels forward then backward, GEMMs and attention as extern
+    calls, and they move what one layer of the whole-model compile moves."""
+    from megatron_lite.bench.compiled_bytes import (
+        CompiledBytesSettings,
+        block_kernels,
+        format_block_kernels,
+        format_compiled_bytes,
+        run_compiled_bytes,
+    )
 
     config_path = str(Path(__file__).parents[1] / "configs/tiny/rope.yml")
     settings = CompiledBytesSettings(config_path=config_path, schemes=["rope"], batch_size=1, depths=(1, 2))
@@ -190,3 +198,14 @@ def test_compiled_bytes_per_layer_and_rest() -> None:
     assert "| ours | rope |" in report and f"rope / {HF_TWIN}: per layer" in report
     with pytest.raises(ValueError, match="depths"):
         CompiledBytesSettings(depths=(2, 2)).validate()
+
+    kernels = block_kernels("rope", settings)
+    assert [row["pass"] for row in kernels] == sorted((row["pass"] for row in kernels),
+                                                      key=["forward", "backward"].index)
+    extern = {(row["pass"], operator) for row in kernels if row["kind"] == "extern"
+              for operator in row["operators"].split(",")}
+    assert {("forward", "addmm"), ("backward", "mm")} <= extern
+    assert any("attention" in operator for _, operator in extern)
+    assert 0.8 < sum(row["bytes_per_token"] for row in kernels) / ours["layer_bytes_per_token"] < 1.2
+    assert "| forward | generated |" in format_block_kernels("rope", kernels, settings)
+

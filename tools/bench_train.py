@@ -16,13 +16,15 @@ from one run, instead of the throughput comparison:
 
     python tools/bench_train.py --census [--census-devices cpu,meta] [--census-config configs/coca_350m.yml]
     python tools/bench_train.py --compiled-bytes [--compiled-bytes-batch-size 2]
+    python tools/bench_train.py --compiled-bytes-kernels [--compiled-bytes-schemes rope --compiled-bytes-batch-size 16]
     python tools/bench_train.py --compile-time [--compile-layers 24 --compile-hidden 128]
     python tools/bench_train.py --grad-sums [--grad-sums-config configs/coca_350m.yml]
 
 ``--census``: for our schemes and the Hugging Face twin, one bf16 training step counted under a dispatch mode:
 the share of GEMM FLOPs with float32 operands, sync-class operations, dispatched operators
 (megatron_lite/bench/step_census.py, census_bench.py). ``--compiled-bytes``: inductor's bytes per token of the
-compiled block and of the rest, ours vs the twin (megatron_lite/bench/compiled_bytes.py). ``--compile-time``: first step and compiled step,
+compiled block and of the rest, ours vs the twin (megatron_lite/bench/compiled_bytes.py); ``--compiled-bytes-kernels``
+each kernel of one regionally compiled block instead. ``--compile-time``: first step and compiled step,
 compile_model "whole" vs "regional", each in a fresh process (megatron_lite/bench/compile_time.py). ``--grad-sums``:
 the memory traffic DeepSpeed's backward and step add when a bf16 run sums its gradients in float32
 (train.grad_accum_dtype, megatron_lite/bench/grad_sums.py).
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sequence_parallel is not None:
         return _sequence_parallel_mode(args)
-    if args.census or args.compiled_bytes or args.compile_time or args.grad_sums:
+    if args.census or args.compiled_bytes or args.compiled_bytes_kernels or args.compile_time or args.grad_sums:
         return predictor_mode(args)
     for name in ("batch_size", "rounds", "steps_per_round", "gpu_batch_size"):
         if getattr(args, name) < 1:

@@ -158,3 +158,50 @@ def format_compiled_bytes(rows: list[dict[str, Any]], settings: CompiledBytesSet
                              f"{row['layer_bytes_per_token'] / twin['layer_bytes_per_token']:.2f}x, rest "
                              f"{row['rest_bytes_per_token'] / twin['rest_bytes_per_token']:.2f}x")
     return "\n".join(lines) + "\n"
+
+
+def block_kernels(scheme: str, settings: CompiledBytesSettings) -> list[dict[str, Any]]:
+    """Each kernel inductor generates and each extern call (GEMM, attention) of one block compiled as training
+    compiles it (one region, ``layer.compile()``; the rest of the one-layer model stays eager), forward then
+    backward: inductor's bytes per token and the aten operators the kernel was made from. What a GEMM template's
+    epilogue could absorb is read off this list (docs/gpu.md, the 1.3x miss)."""
+    from torch._inductor.scheduler import ExternKernelSchedulerNode
+
+    config = config_lib.with_overrides(config_lib.load(settings.config_path), ["model.num_layers=1"])
+    model = GPT(config_lib.with_overrides(config, variant_named(scheme).overrides).model).train()
+    model.layers[0].compile()
+    torch.manual_seed(settings.seed)
+    ids_BT1 = torch.randint(0, config.model.vocab_size, (settings.batch_size, config.model.seq_length + 1))
+    tokens = settings.batch_size * config.model.seq_length
+    with inductor_counting() as metrics:
+        loss = model(ids_BT1[:, :-1], labels=ids_BT1[:, 1:])
+        forward_nodes = len(metrics.nodes_num_elem)  # the backward graph compiles at the first backward
+        loss.backward()
+        nodes = list(metrics.nodes_num_elem)  # (scheduler node, its bytes // 4)
+    return [{"pass": "forward" if index < forward_nodes else "backward",
+             "kind": "extern" if isinstance(node, ExternKernelSchedulerNode) else "generated",
+             "bytes_per_token": 4 * quarter_bytes / tokens, "operators": _fused_operators(node)}
+            for index, (node, quarter_bytes) in enumerate(nodes) if quarter_bytes]
+
+
+SHAPE_ONLY_OPERATORS = {"permute", "reshape", "view", "unsqueeze", "squeeze", "<built-in function getitem>"}
+
+
+def _fused_operators(node: Any) -> str:
+    """The aten operators a scheduler node was lowered from (shape-only ones left out), sorted."""
+    names = {str(origin.target).removeprefix("aten.").split(".")[0]
+             for part in node.get_nodes() for origin in getattr(part.node, "origins", None) or ()}
+    return ",".join(sorted(names - SHAPE_ONLY_OPERATORS))
+
+
+def format_block_kernels(scheme: str, rows: list[dict[str, Any]], settings: CompiledBytesSettings) -> str:
+    lines = [f"One regionally compiled block of {scheme} ({settings.config_path}, batch {settings.batch_size}, "
+             "float32; inductor's bytes per token, each buffer once per kernel; extern: GEMM and attention calls):", "",
+             "| pass | kind | B/token | made from |", "|---|---|---:|---|"]
+    lines += [f"| {row['pass']} | {row['kind']} | {row['bytes_per_token']:,.0f} | {row['operators']} |" for row in rows]
+    lines.append("")
+    for phase in ("forward", "backward"):
+        totals = {kind: sum(row["bytes_per_token"] for row in rows if (row["pass"], row["kind"]) == (phase, kind))
+                  for kind in ("generated", "extern")}
+        lines.append(f"{phase}: generated {totals['generated']:,.0f} B/token, extern {totals['extern']:,.0f}")
+    return "\n".join(lines) + "\n"

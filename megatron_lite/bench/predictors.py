@@ -12,6 +12,8 @@ from megatron_lite.bench.census_bench import CENSUS_DEVICES, CENSUS_SCHEMES, Cen
 from megatron_lite.bench.compiled_bytes import (
     COMPILED_BYTES_SCHEMES,
     CompiledBytesSettings,
+    block_kernels,
+    format_block_kernels,
     format_compiled_bytes,
     run_compiled_bytes,
 )
@@ -52,6 +54,9 @@ def add_predictor_arguments(parser: argparse.ArgumentParser) -> None:
     compiled.add_argument("--compiled-bytes-schemes", default=",".join(COMPILED_BYTES_SCHEMES),
                           help="our schemes measured")
     compiled.add_argument("--compiled-bytes-batch-size", type=int, default=compiled_defaults.batch_size)
+    compiled.add_argument("--compiled-bytes-kernels", action="store_true",
+                          help="list each kernel of one regionally compiled block per scheme (forward, backward: "
+                               "bytes per token, the operators fused into it) instead of the per-layer table")
     compile_time = parser.add_argument_group("compile time (--compile-time)")
     compile_time.add_argument("--compile-time", action="store_true",
                               help="time the first step and the compiled step, compile_model whole vs regional, "
@@ -128,9 +133,10 @@ def grad_sums_settings(args: argparse.Namespace) -> GradSumsSettings:
 
 
 def predictor_mode(args: argparse.Namespace) -> int:
-    """--census, --compiled-bytes and/or --compile-time: tables on stdout, progress on stderr, results to --json."""
+    """--census, --compiled-bytes (or its kernels), --compile-time and/or --grad-sums: tables on stdout, progress on
+    stderr, results to --json."""
     census = census_settings(args) if args.census else None  # every flag checked before anything runs
-    compiled_bytes = compiled_bytes_settings(args) if args.compiled_bytes else None
+    compiled_bytes = compiled_bytes_settings(args) if args.compiled_bytes or args.compiled_bytes_kernels else None
     compile_time = compile_time_settings(args) if args.compile_time else None
     grad_sums = grad_sums_settings(args) if args.grad_sums else None
     if compile_time is not None:
@@ -141,7 +147,12 @@ def predictor_mode(args: argparse.Namespace) -> int:
         rows = run_census(census, progress)
         print(format_census(rows, census), end="")
         output["census"] = {"settings": census.__dict__, "rows": rows}
-    if compiled_bytes is not None:
+    if compiled_bytes is not None and args.compiled_bytes_kernels:
+        kernels = {scheme: block_kernels(scheme, compiled_bytes) for scheme in compiled_bytes.schemes}
+        print(("\n" if output else "") + "\n".join(format_block_kernels(scheme, rows, compiled_bytes)
+                                                   for scheme, rows in kernels.items()), end="")
+        output["block_kernels"] = {"settings": compiled_bytes.__dict__, "schemes": kernels}
+    elif compiled_bytes is not None:
         rows = run_compiled_bytes(compiled_bytes, progress)
         print(("\n" if output else "") + format_compiled_bytes(rows, compiled_bytes), end="")
         output["compiled_bytes"] = {"settings": compiled_bytes.__dict__, "rows": rows}
