@@ -32,6 +32,8 @@ from megatron_lite.model.compile import compile_model
 from megatron_lite.model.variants import variant_named
 
 COMPILED_BYTES_SCHEMES = ("rope", "coca_slack")
+# left out of a kernel's "made from" list (block_kernels): they move no data of their own
+SHAPE_ONLY_OPERATORS = {"permute", "reshape", "view", "unsqueeze", "squeeze", "<built-in function getitem>"}
 
 
 @dataclass
@@ -182,9 +184,6 @@ def block_kernels(scheme: str, settings: CompiledBytesSettings) -> list[dict[str
              "kind": "extern" if isinstance(node, ExternKernelSchedulerNode) else "generated",
              "bytes_per_token": 4 * quarter_bytes / tokens, "operators": _fused_operators(node)}
             for index, (node, quarter_bytes) in enumerate(nodes) if quarter_bytes]
-
-
-SHAPE_ONLY_OPERATORS = {"permute", "reshape", "view", "unsqueeze", "squeeze", "<built-in function getitem>"}
 
 
 def _fused_operators(node: Any) -> str:
