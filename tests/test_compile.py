@@ -28,20 +28,28 @@ def loss_and_gradients(model: GPT, forward, ids: torch.Tensor, labels: torch.Ten
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_same_step(model: GPT, compiled, tolerance: float) -> None:
+def sample_batch() -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 250, (2, 16), generator=generator)  # (B, T)
-    labels = torch.randint(0, 250, (2, 16), generator=generator)
+    return ids, torch.randint(0, 250, (2, 16), generator=generator)
+
+
+def assert_same_step(model: GPT, compiled, tolerance: float) -> None:
+    ids, labels = sample_batch()
 
     def eager(ids_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
         return model(ids_BT, labels=labels_BT)
 
-    expected_loss, expected = loss_and_gradients(model, eager, ids, labels)
-    loss, gradients = loss_and_gradients(model, compiled(eager), ids, labels)
+    expected = loss_and_gradients(model, eager, ids, labels)
+    assert_same_loss_and_gradients(loss_and_gradients(model, compiled(eager), ids, labels), expected, tolerance)
+
+
+def assert_same_loss_and_gradients(got, expected, tolerance: float) -> None:
+    (loss, gradients), (expected_loss, expected_gradients) = got, expected
     torch.testing.assert_close(loss, expected_loss, rtol=tolerance, atol=tolerance)
-    assert gradients.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(gradients[name], expected[name], rtol=tolerance, atol=tolerance, msg=name)
+    assert gradients.keys() == expected_gradients.keys()
+    for name in expected_gradients:
+        torch.testing.assert_close(gradients[name], expected_gradients[name], rtol=tolerance, atol=tolerance, msg=name)
 
 
 # The schemes that act inside attention, on every backend with and without checkpointing; the additive ones
@@ -90,6 +98,29 @@ def test_inductor_compiles_coca_slack() -> None:
     torch._dynamo.reset()
     model = GPT(tiny_config("coca", "slack").model).train()
     assert_same_step(model, lambda fn: torch.compile(fn, fullgraph=True), 1e-5)
+
+
+@pytest.mark.slow
+def test_regional_compile_with_the_cpp_wrapper_launches_from_cpp_and_equals_eager() -> None:
+    """train.compile_cpp_wrapper: every region's forward and backward (the block's, the head's) is generated as a
+    C++ wrapper (an ``inductor_entry`` function, no Python ``call``), and the step gives eager's loss and
+    gradients."""
+    from torch._inductor.utils import run_and_get_code
+
+    from megatron_lite.model.compile import compile_model
+
+    torch._dynamo.reset()
+    model = GPT(tiny_config("rope").model).train()
+    ids, labels = sample_batch()
+
+    def forward(ids_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        return model(ids_BT, labels=labels_BT)
+
+    expected = loss_and_gradients(model, forward, ids, labels)
+    compile_model(model, "regional", cpp_wrapper=True)
+    got, codes = run_and_get_code(loss_and_gradients, model, forward, ids, labels)
+    assert len(codes) == 4 and all("inductor_entry" in code and "def call(" not in code for code in codes)
+    assert_same_loss_and_gradients(got, expected, 1e-5)
 
 
 def test_compile_in_place_keeps_state_dict_keys() -> None:

@@ -96,6 +96,8 @@ def test_compile_mode_compiles_each_block_or_the_whole_model(mode: str) -> None:
     assert f"about {engine_lib.COMPILE_FIRST_STEP_SECONDS[mode]} s" in announced
     graphed = engine_lib.compile_announcement(mode, cuda_graphs=True)
     assert "CUDA graphs recorded in the second micro batch" in graphed and "\n" not in graphed
+    wrapped = engine_lib.compile_announcement(mode, cpp_wrapper=True)
+    assert wrapped.endswith("on a GPU, and more for the C++ wrappers)") and "\n" not in wrapped
 
 
 def test_compile_off_on_cpu_and_at_zero_3() -> None:
@@ -109,19 +111,26 @@ def test_compile_off_on_cpu_and_at_zero_3() -> None:
 
 def test_cuda_graphs_on_a_cuda_device_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """train.cuda_graphs asks compile_model for CUDA graphs on CUDA; on CPU, or with train.compile=false, it says
-    in one line that it cannot and trains without them."""
-    asked: list[bool] = []
-    monkeypatch.setattr(engine_lib, "compile_model", lambda model, mode, cuda_graphs: asked.append(cuda_graphs))
+    in one line that it cannot and trains without them; so does train.compile_cpp_wrapper without train.compile."""
+    asked: list[tuple[bool, bool]] = []
+    monkeypatch.setattr(engine_lib, "compile_model",
+                        lambda model, mode, cuda_graphs, cpp_wrapper: asked.append((cuda_graphs, cpp_wrapper)))
     config = with_train(compile=True, cuda_graphs=True)
     cuda_rank = dataclasses.replace(CPU, device=CUDA)
     assert engine_lib._compile_in_place(GPT(tiny_config().model), config, cuda_rank) == (True, True)
     with pytest.warns(UserWarning, match="train.cuda_graphs: CUDA graphs need a CUDA device, this run's is cpu"):
         assert engine_lib._compile_in_place(GPT(tiny_config().model), config, CPU) == (True, False)
     assert engine_lib._compile_in_place(GPT(tiny_config().model), with_train(compile=True), cuda_rank) == (True, False)
-    assert asked == [True, False, False]
+    wrapped = with_train(compile=True, compile_cpp_wrapper=True)
+    assert engine_lib._compile_in_place(GPT(tiny_config().model), wrapped, CPU) == (True, False)  # any device
+    assert asked == [(True, False), (False, False), (False, False), (False, True)]
     with pytest.warns(UserWarning, match=r"train.cuda_graphs: .* trains eagerly \(train.compile=false on cuda\)"):
         assert engine_lib._compile_in_place(GPT(tiny_config().model), with_train(compile=False, cuda_graphs=True),
                                             cuda_rank) == (False, False)
+    with pytest.warns(UserWarning, match=r"train.compile_cpp_wrapper: .* trains eagerly \(train.compile=null on cpu\); "
+                                         "the setting is ignored"):
+        assert engine_lib._compile_in_place(GPT(tiny_config().model), with_train(compile_cpp_wrapper=True),
+                                            CPU) == (False, False)
     with pytest.raises(ValueError, match=r"^train.cuda_graphs=true: not with train.sequence_parallel_size=2 "):
         with_train(cuda_graphs=True, sequence_parallel_size=2)
 

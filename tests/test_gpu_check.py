@@ -127,7 +127,7 @@ def test_sections_and_batch_search() -> None:
 def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> None:
     board = tmp_path / "board.md"
     arguments = ["--quick", "--smoke", "--schemes", "rope", "--loss-gemm", "mixed,input_dtype", "--out", str(tmp_path),
-                 "--users-micro-batch", "16,64", "--users-cuda-graphs", "16"]
+                 "--users-micro-batch", "16,64", "--users-cuda-graphs", "16", "--users-cpp-wrapper", "16"]
     assert load_script("tools/gpu_check.py").main([*arguments, "--board", str(board)]) == 0
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert list(results) == list(gpu_check_settings.QUICK_SECTIONS)
@@ -145,11 +145,14 @@ def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> 
     assert rows[("rope", "compiled", "mixed")]["compile"] == "regional"
     assert rows[("hf_twin", "compiled", None)]["compile"] == "model.compile()"
     assert all(row["status"].startswith("skipped: --smoke") for (_, mode, _), row in rows.items() if mode == "compiled")
-    users = results["users_command"]["rows"]  # a run per --users-micro-batch, then per --users-cuda-graphs value
-    assert [(row["status"], row["micro_batch"], row["cuda_graphs"]) for row in users] == [
-        ("skipped: no CUDA", 16, False), ("skipped: no CUDA", 64, False), ("skipped: no CUDA", 16, True)]
+    users = results["users_command"]["rows"]  # a run per --users-micro-batch, then per --users-cuda-graphs value,
+    # then per --users-cpp-wrapper value
+    assert [(row["status"], row["micro_batch"], row["variant"]) for row in users] == [
+        ("skipped: no CUDA", 16, "-"), ("skipped: no CUDA", 64, "-"), ("skipped: no CUDA", 16, "cudagraphs"),
+        ("skipped: no CUDA", 16, "cpp_wrapper")]
     assert users[1]["command"] == users_command.SHOWN_COMMAND + " --set train.train_micro_batch_size_per_gpu=64"
     assert users[2]["command"].endswith("=16 --set train.cuda_graphs=true")
+    assert users[3]["command"].endswith("=16 --set train.compile_cpp_wrapper=true")
     assert "## users_command" in (tmp_path / "gpu_check.md").read_text()
 
     (row,) = results_board.read_rows(board, results_board.GPU_CHECKS)
@@ -178,6 +181,7 @@ def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> 
     (["--users-micro-batch", "0"], "--users-micro-batch 0: give distinct positive micro batches"),
     (["--users-cuda-graphs", "16,y"], "--users-cuda-graphs 16,y: give micro batches as integers"),
     (["--users-cuda-graphs", "0"], "--users-cuda-graphs 0: give distinct positive micro batches"),
+    (["--users-cpp-wrapper", "16,16"], "--users-cpp-wrapper 16,16: give distinct positive micro batches"),
     (["--sdpa-kernel", "auto,fa3"], "--sdpa-kernel auto,fa3: unknown kernel(s) fa3"),
     (["--vocab-size", "100"], "--mix, --tokenizer and --vocab-size go together"),
     (["--mix", "no/such/mix.yml", "--tokenizer", "t.model", "--vocab-size", "100"],
@@ -304,8 +308,11 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
     assert at_64[-2:] == ["--set", "train.train_micro_batch_size_per_gpu=64"]  # laid over the config: last
     assert at_64[:-2] == [word for word in arguments if word not in ("--master_port", "29555")]
     graphed = users_command.users_arguments(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "run",
-                                            tmp_path / "cache", micro_batch=16, cuda_graphs=True)
+                                            tmp_path / "cache", micro_batch=16, variant="cudagraphs")
     assert graphed[-4:] == ["--set", "train.train_micro_batch_size_per_gpu=16", "--set", "train.cuda_graphs=true"]
+    wrapped = users_command.users_arguments(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "run",
+                                            tmp_path / "cache", variant="cpp_wrapper")
+    assert wrapped[-2:] == ["--set", "train.compile_cpp_wrapper=true"]
     script = REPO / "tools/gpu_one_call.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)

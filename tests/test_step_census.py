@@ -155,6 +155,11 @@ def test_compile_time_worker_at_toy_size() -> None:
               "rows": [{**summary, "mode": mode} for mode in ("whole", "regional")]}
     report = format_compile_time(result)
     assert "first step whole / regional: 4.00x wall, 3.50x CPU time (target >= 3x: PASS)" in report
+    result["ratios"].update(step_regional_over_cpp_wrapper=1.25, first_step_cpp_wrapper_over_regional=1.5)
+    assert ("compiled step regional / regional-cpp-wrapper: 1.25x (> 1: the C++ wrapper saves host time); its first "
+            "step 1.50x regional's") in format_compile_time(result)
+    with pytest.raises(ValueError, match="^compile-time mode regional-cpp-wrapper: the C\\+\\+ wrapper is inductor's"):
+        measure_in_process(settings, "regional-cpp-wrapper")
 
 
 @pytest.mark.slow

@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--users-cuda-graphs", default=None, metavar="N,...",
                         help="users_command: one more run per micro batch given here, with train.cuda_graphs=true "
                              "(inductor's CUDA graphs for the compiled blocks; default: none)")
+    parser.add_argument("--users-cpp-wrapper", default=None, metavar="N,...",
+                        help="users_command: one more run per micro batch given here, with "
+                             "train.compile_cpp_wrapper=true (the compiled graphs launched from C++; default: none)")
     parser.add_argument("--board-only", action="store_true",
                         help="measure nothing: append the board row for the sections OUT already holds")
     results_board.add_board_arguments(parser)
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                              mix=args.mix.resolve() if args.mix else None,
                              tokenizer=args.tokenizer.resolve() if args.tokenizer else None, vocab_size=args.vocab_size,
                              users_micro_batches=parse_micro_batches(args.users_micro_batch),
-                             users_cuda_graphs=parse_micro_batches(args.users_cuda_graphs, "--users-cuda-graphs") or [])
+                             users_cuda_graphs=parse_micro_batches(args.users_cuda_graphs, "--users-cuda-graphs") or [],
+                             users_cpp_wrapper=parse_micro_batches(args.users_cpp_wrapper, "--users-cpp-wrapper") or [])
     board = results_board.board_from_args(args)
     if args.board_only:
         if board is None:

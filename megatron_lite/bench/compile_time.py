@@ -27,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-MODES = ("eager", "whole", "regional")
+# regional-cpp-wrapper: regional with inductor's C++ wrapper (train.compile_cpp_wrapper); at a width where kernels
+# cost almost nothing its step time is the host's floor, and regional / regional-cpp-wrapper what launching each
+# kernel from C++ instead of Python saves per step (not run unless asked)
+CPP_WRAPPER_SUFFIX = "-cpp-wrapper"
+MODES = ("eager", "whole", "regional", "regional" + CPP_WRAPPER_SUFFIX)
+DEFAULT_MODES = MODES[:3]
 RESULT_MARK = "COMPILE_TIME_RESULT "
 FIRST_STEP_TARGET = 3.0  # whole / regional first-step time (issue 35, item 4)
 
@@ -46,7 +51,7 @@ class CompileTimeSettings:
     backend: str = "inductor"  # "eager" / "aot_eager": dynamo only, for a quick smoke
     steps: int = 10  # timed steps after the first two (median reported)
     repeats: int = 1  # fresh processes per mode, in interleaved order (whole, regional, whole, ...)
-    modes: list[str] = field(default_factory=lambda: list(MODES))
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))
     # torch threads in each worker: 1 keeps step times steady beside other processes on a small machine
     # (inductor's compile is single-threaded Python plus compiler subprocesses either way); 0: torch's default
     threads: int = 1
@@ -69,8 +74,11 @@ def _compile(model: Any, mode: str, backend: str) -> None:
     from megatron_lite.model.compile import compile_model
 
     if backend == "inductor":
-        compile_model(model, mode)  # type: ignore[arg-type]
+        base = mode.removesuffix(CPP_WRAPPER_SUFFIX)
+        compile_model(model, base, cpp_wrapper=base != mode)  # type: ignore[arg-type]
         return
+    if mode.endswith(CPP_WRAPPER_SUFFIX):
+        raise ValueError(f"compile-time mode {mode}: the C++ wrapper is inductor's (backend {backend!r})")
     original = torch.nn.Module.compile
 
     def with_backend(module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -199,6 +207,11 @@ def run_compile_time(settings: CompileTimeSettings, progress: Callable[[str], No
         ratios["first_step_whole_over_regional"] = whole["first_step_s"] / regional["first_step_s"]
         ratios["first_step_cpu_whole_over_regional"] = whole["first_step_cpu_s"] / regional["first_step_cpu_s"]
         ratios["step_regional_over_whole"] = regional["step_ms"] / whole["step_ms"]
+    wrapped = "regional" + CPP_WRAPPER_SUFFIX
+    if "regional" in by_mode and wrapped in by_mode:
+        ratios["step_regional_over_cpp_wrapper"] = by_mode["regional"]["step_ms"] / by_mode[wrapped]["step_ms"]
+        ratios["first_step_cpp_wrapper_over_regional"] = (by_mode[wrapped]["first_step_s"]
+                                                          / by_mode["regional"]["first_step_s"])
     if "eager" in by_mode:
         for mode in ("whole", "regional"):
             if mode in by_mode:
@@ -232,6 +245,10 @@ def format_compile_time(result: dict[str, Any]) -> str:
                       f"{ratios['first_step_cpu_whole_over_regional']:.2f}x CPU time (target >= "
                       f"{FIRST_STEP_TARGET:.0f}x: {'PASS' if value >= FIRST_STEP_TARGET else 'FAIL'})",
                   f"compiled step regional / whole: {ratios['step_regional_over_whole']:.2f}x (<= 1 keeps the speed)"]
+    if "step_regional_over_cpp_wrapper" in ratios:
+        lines.append(f"compiled step regional / regional{CPP_WRAPPER_SUFFIX}: "
+                     f"{ratios['step_regional_over_cpp_wrapper']:.2f}x (> 1: the C++ wrapper saves host time); "
+                     f"its first step {ratios['first_step_cpp_wrapper_over_regional']:.2f}x regional's")
     for mode in ("whole", "regional"):
         if f"step_eager_over_{mode}" in ratios:
             lines.append(f"eager step / {mode} step: {ratios[f'step_eager_over_{mode}']:.2f}x")

@@ -609,14 +609,16 @@ def section_users_command(settings: CheckSettings, progress: Progress) -> list[d
 
     _free(settings.device)  # the earlier sections' cached blocks: the run below is another process
     rows = []
-    runs = [(micro_batch, False) for micro_batch in settings.users_micro_batches or [None]]
-    runs += [(micro_batch, True) for micro_batch in settings.users_cuda_graphs]
-    for micro_batch, cuda_graphs in runs:
+    runs: list[tuple[int | None, str | None]] = [(micro_batch, None)
+                                                 for micro_batch in settings.users_micro_batches or [None]]
+    runs += [(micro_batch, variant) for variant, micro_batches in settings.users_variants().items()
+             for micro_batch in micro_batches]
+    for micro_batch, variant in runs:
         rows += run_users_command(settings.mix, settings.tokenizer, settings.vocab_size,
                                   settings.out / "users_command", cuda=settings.device.type == "cuda"
                                   and torch.cuda.is_available(),
                                   timeout_s=USERS_TIMEOUT_S["quick" if settings.quick else "full"], progress=progress,
-                                  micro_batch=micro_batch, cuda_graphs=cuda_graphs)
+                                  micro_batch=micro_batch, variant=variant)
         progress(f"  users_command: {_row_summary(rows[-1])}")
     return rows
 

@@ -17,7 +17,8 @@ from megatron_lite.bench.compiled_bytes import (
     format_compiled_bytes,
     run_compiled_bytes,
 )
-from megatron_lite.bench.compile_time import MODES, CompileTimeSettings, format_compile_time, run_compile_time
+from megatron_lite.bench.compile_time import (DEFAULT_MODES, MODES, CompileTimeSettings, format_compile_time,
+                                              run_compile_time)
 from megatron_lite.bench.grad_sums import GradSumsSettings, format_grad_sums, run_grad_sums
 
 LOSS_GEMMS = ("mixed", "input_dtype", "fp32")
@@ -71,7 +72,10 @@ def add_predictor_arguments(parser: argparse.ArgumentParser) -> None:
     compile_time.add_argument("--compile-scheme", default=defaults.scheme)
     compile_time.add_argument("--compile-steps", type=int, default=defaults.steps,
                               help="timed steps after the first two (median)")
-    compile_time.add_argument("--compile-modes", default=",".join(MODES), help="eager (reference), whole, regional")
+    compile_time.add_argument("--compile-modes", default=",".join(DEFAULT_MODES),
+                              help="eager (reference), whole, regional, regional-cpp-wrapper (inductor's C++ "
+                                   "wrapper; at --compile-hidden 16 --compile-seq-length 8 --compile-batch-size 1 the "
+                                   "step is the host's floor)")
     compile_time.add_argument("--compile-repeats", type=int, default=defaults.repeats,
                               help="fresh processes per mode, interleaved (medians reported)")
     compile_time.add_argument("--compile-threads", type=int, default=defaults.threads,

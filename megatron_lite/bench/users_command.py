@@ -35,7 +35,8 @@ USERS_CONFIG = "configs/coca_350m.yml"
 USERS_ITERS = 20
 USERS_LOG_INTERVAL = 4
 MICRO_BATCH_KEY = "train.train_micro_batch_size_per_gpu"
-CUDA_GRAPHS_SET = "train.cuda_graphs=true"
+# the runs beside the config as it is: each variant's name (in its row, its run dir and log names) and its setting
+USERS_VARIANTS = {"cudagraphs": "train.cuda_graphs=true", "cpp_wrapper": "train.compile_cpp_wrapper=true"}
 USERS_PROFILED_STEPS = 1  # after the measured steps: 16 micro batches on one GPU, a trace of a few MB
 SHOWN_COMMAND = f"deepspeed --num_gpus 1 train.py --config {USERS_CONFIG}"
 MAX_LISTED_WARNINGS, WARNING_CHARS = 8, 160
@@ -52,11 +53,11 @@ Progress = Callable[[str], None]
 def users_arguments(mix: Path, tokenizer: Path, vocab_size: int, run_dir: Path, cache_dir: Path,
                     iters: int = USERS_ITERS, log_interval: int = USERS_LOG_INTERVAL,
                     master_port: int | None = None, profiled: int = USERS_PROFILED_STEPS,
-                    micro_batch: int | None = None, cuda_graphs: bool = False) -> list[str]:
+                    micro_batch: int | None = None, variant: str | None = None) -> list[str]:
     """The deepspeed launcher's command line (this interpreter's ``deepspeed.launcher.runner``, as the
-    ``deepspeed`` script runs it): the paper config as it is (at ``micro_batch``, if given; with train.cuda_graphs
-    if ``cuda_graphs``), pointed at the data, for ``iters`` measured steps and ``profiled`` more under
-    train.profile."""
+    ``deepspeed`` script runs it): the paper config as it is (at ``micro_batch``, if given; with a
+    ``USERS_VARIANTS`` setting if ``variant`` names one), pointed at the data, for ``iters`` measured steps and
+    ``profiled`` more under train.profile."""
     sets = [f"data.mix={json.dumps(str(mix))}", f"data.cache_dir={json.dumps(str(cache_dir))}",
             f"data.tokenizer.model={json.dumps(str(tokenizer))}", f"model.vocab_size={vocab_size}",
             "train.train_epochs=1", f"train.train_iters={iters + profiled}", f"train.log_interval={log_interval}",
@@ -65,8 +66,8 @@ def users_arguments(mix: Path, tokenizer: Path, vocab_size: int, run_dir: Path, 
         sets += [f"train.profile.start_step={iters + 1}", f"train.profile.steps={profiled}"]
     if micro_batch:
         sets.append(f"{MICRO_BATCH_KEY}={micro_batch}")
-    if cuda_graphs:
-        sets.append(CUDA_GRAPHS_SET)
+    if variant:
+        sets.append(USERS_VARIANTS[variant])
     port = ["--master_port", str(master_port)] if master_port else []
     arguments = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", *port,
                  str(REPO / "train.py"), "--config", str(REPO / USERS_CONFIG), "--run-dir", str(run_dir),
@@ -209,15 +210,15 @@ def _failure_line(log_text: str) -> str:
 
 def run_users_command(mix: Path | None, tokenizer: Path | None, vocab_size: int | None, work: Path, cuda: bool,
                       timeout_s: float, progress: Progress, iters: int = USERS_ITERS,
-                      micro_batch: int | None = None, cuda_graphs: bool = False) -> list[dict[str, Any]]:
+                      micro_batch: int | None = None, variant: str | None = None) -> list[dict[str, Any]]:
     """One row: the users' command run in ``work`` (run dir, data cache, compile cache, log.txt); with
     ``micro_batch``, at that micro batch (the global batch, so the optimizer steps, unchanged: the accumulation
-    follows), in ``run_micro_batch_N`` with ``log_micro_batch_N.txt``; with ``cuda_graphs``, with train.cuda_graphs
-    (``..._cudagraphs``)."""
+    follows), in ``run_micro_batch_N`` with ``log_micro_batch_N.txt``; with ``variant``, with its
+    ``USERS_VARIANTS`` setting (``..._cudagraphs``, ``..._cpp_wrapper``)."""
     shown = (SHOWN_COMMAND + (f" --set {MICRO_BATCH_KEY}={micro_batch}" if micro_batch else "")
-             + (f" --set {CUDA_GRAPHS_SET}" if cuda_graphs else ""))
+             + (f" --set {USERS_VARIANTS[variant]}" if variant else ""))
     row: dict[str, Any] = {"command": shown, "steps": iters, "micro_batch": micro_batch or "config",
-                           "cuda_graphs": cuda_graphs}
+                           "variant": variant or "-"}
     if not cuda:
         row["status"] = "skipped: no CUDA"
         return [row]
@@ -226,13 +227,13 @@ def run_users_command(mix: Path | None, tokenizer: Path | None, vocab_size: int 
         return [row]
     from megatron_lite.training.distributed import free_port
 
-    suffix = (f"_micro_batch_{micro_batch}" if micro_batch else "") + ("_cudagraphs" if cuda_graphs else "")
+    suffix = (f"_micro_batch_{micro_batch}" if micro_batch else "") + (f"_{variant}" if variant else "")
     run_dir, log_path = work / f"run{suffix}", work / f"log{suffix}.txt"
     for stale in (run_dir, work / "inductor_cache"):  # a fresh run and a cold compile cache, as a user's first run
         shutil.rmtree(stale, ignore_errors=True)
     work.mkdir(parents=True, exist_ok=True)
     arguments = users_arguments(mix, tokenizer, vocab_size, run_dir, work / "cache", iters,
-                                master_port=free_port(), micro_batch=micro_batch, cuda_graphs=cuda_graphs)
+                                master_port=free_port(), micro_batch=micro_batch, variant=variant)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor_cache")}
     progress(f"  users_command: {shown} ({iters} steps, log {log_path})")
     start = time.perf_counter()

@@ -459,6 +459,12 @@ class TrainConfig:
         "graphs. With more than one micro batch per step it needs each micro batch's gradients summed out of the "
         "graphs' memory: precision bf16, zero_stage 1, grad_accum_dtype fp32 (the paper config). Not with "
         "sequence_parallel_size > 1. Off until a GPU measurement says it helps (docs/gpu.md).", default=False)
+    compile_cpp_wrapper: bool = _doc(
+        "inductor's C++ wrapper (torch._inductor.config.cpp_wrapper) for the compiled graphs: each graph's kernels "
+        "and library calls launched from generated C++ instead of generated Python, for steps whose GPU waits on "
+        "the host (small micro batches, small models); works with or without train.cuda_graphs. The first step "
+        "also builds each graph's wrapper with the C++ compiler. Needs train.compile (otherwise the run says so "
+        "in one line). Off until a GPU measurement says it helps (docs/gpu.md).", default=False)
     tf32: bool | None = _doc(
         "TensorFloat-32 tensor cores for float32 matmuls and cuDNN convolutions "
         "(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32), set before the model is "

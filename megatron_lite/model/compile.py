@@ -14,7 +14,8 @@ eagerly around it, so the rotary tables enter the graph as inputs: traced inside
 float64 cos/sin were recomputed by every layer's fused kernels, per activation element (profile of 2026-11-26).
 
 Both compile in place, so state-dict keys stay as they are (no ``_orig_mod.`` prefix) and checkpoints move
-freely between compiled and eager runs.
+freely between compiled and eager runs. Either can launch each graph's kernels from Python (inductor's default
+wrapper) or from generated C++ (``cpp_wrapper``), and replay them as CUDA graphs (``cuda_graphs``).
 """
 
 from __future__ import annotations
@@ -36,8 +37,20 @@ def inductor_mode(cuda_graphs: bool, max_autotune: bool) -> str | None:
     return "reduce-overhead" if cuda_graphs else None
 
 
+def compile_options(cuda_graphs: bool = False, max_autotune: bool = False,
+                    cpp_wrapper: bool = False) -> dict[str, Any]:
+    """torch.compile's keyword arguments: its ``mode`` alone, or, with ``cpp_wrapper``, that mode's inductor
+    options and ``cpp_wrapper`` (torch.compile takes a mode or options, never both)."""
+    mode = inductor_mode(cuda_graphs, max_autotune)
+    if not cpp_wrapper:
+        return {"mode": mode} if mode else {}
+    from torch._inductor import list_mode_options
+
+    return {"options": {**(list_mode_options(mode) if mode else {}), "cpp_wrapper": True}}  # None lists every mode
+
+
 def compile_model(model: nn.Module, mode: CompileMode = "regional", backend: str | Callable[..., Any] = "inductor",
-                  cuda_graphs: bool = False, max_autotune: bool = False) -> None:
+                  cuda_graphs: bool = False, max_autotune: bool = False, cpp_wrapper: bool = False) -> None:
     """Compile ``model`` (a ``GPT``) in place: each of ``model.layers`` and its ``lm_head`` (``regional``), or
     ``model.decode`` (``whole``). ``backend``: torch.compile's (tests pass one that records the graphs).
     ``cuda_graphs``: inductor's CUDA graphs (torch.compile's ``mode="reduce-overhead"``) for each compiled graph,
@@ -45,9 +58,11 @@ def compile_model(model: nn.Module, mode: CompileMode = "regional", backend: str
     rows). A loop that drives them starts each step with ``torch.compiler.cudagraph_mark_step_begin`` and keeps no
     compiled output past the next replay (training/step.py). ``max_autotune``: inductor benchmarks Triton GEMM
     templates against cuBLAS for each GEMM and fuses elementwise epilogues (bias, GELU) into the Triton ones it
-    keeps, at minutes of compile time (the GPU check's ``-max-autotune`` rows; a measurement only)."""
-    chosen = inductor_mode(cuda_graphs, max_autotune)
-    options: dict[str, Any] = {"mode": chosen} if chosen else {}
+    keeps, at minutes of compile time (the GPU check's ``-max-autotune`` rows; a measurement only).
+    ``cpp_wrapper``: inductor's C++ wrapper (train.compile_cpp_wrapper): each graph's kernels and library calls
+    launched from generated C++ instead of generated Python, less host time per kernel for steps whose GPU waits
+    on the host, at the cost of a C++ build of each graph in the first step."""
+    options = compile_options(cuda_graphs, max_autotune, cpp_wrapper)
     if mode == "whole":
         decode = getattr(model, "decode", None)
         if decode is None:

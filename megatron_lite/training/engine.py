@@ -188,12 +188,13 @@ COMPILE_FIRST_STEP_SECONDS = {"regional": 15, "whole": 70}
 _COMPILE_WHAT = {"regional": "the repeated block once", "whole": "the whole model as one graph"}
 
 
-def compile_announcement(mode: str, cuda_graphs: bool = False) -> str:
+def compile_announcement(mode: str, cuda_graphs: bool = False, cpp_wrapper: bool = False) -> str:
     """The one line a compiled run prints before its first step."""
     # inductor's graph trees run each region eagerly in the first micro batch, record it in the second
     graphs = "; its CUDA graphs recorded in the second micro batch" if cuda_graphs else ""
+    wrapper = ", and more for the C++ wrappers" if cpp_wrapper else ""
     return (f"compiling the model ({mode}: {_COMPILE_WHAT[mode]}{graphs}; the first step takes about "
-            f"{COMPILE_FIRST_STEP_SECONDS[mode]} s at 350M on a GPU)")
+            f"{COMPILE_FIRST_STEP_SECONDS[mode]} s at 350M on a GPU{wrapper})")
 
 
 def cuda_graphs_problem(cuda_graphs: bool, accumulation: int, flat_sums: bool) -> str | None:
@@ -214,10 +215,11 @@ def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: Distrib
     state-dict keys stay as they are (no ``_orig_mod.`` prefix) and checkpoints move freely between compiled
     and eager runs. Returns (compiled, with CUDA graphs)."""
     if not use_compile(config, dist_info.device):
-        if config.train.cuda_graphs and dist_info.is_main:
-            setting = {None: "null", True: "true", False: "false"}[config.train.compile]
-            notice("train.cuda_graphs: CUDA graphs replay compiled graphs, and this run trains eagerly "
-                   f"(train.compile={setting} on {dist_info.device.type}); training without them")
+        setting = {None: "null", True: "true", False: "false"}[config.train.compile]
+        for key, what in (("cuda_graphs", "CUDA graphs replay"), ("compile_cpp_wrapper", "the C++ wrapper launches")):
+            if getattr(config.train, key) and dist_info.is_main:
+                notice(f"train.{key}: {what} compiled graphs, and this run trains eagerly "
+                       f"(train.compile={setting} on {dist_info.device.type}); the setting is ignored")
         return False, False
     if config.train.zero_stage == 3:  # ZeRO-3 gathers parameters in module hooks that a compiled graph would trace
         if dist_info.is_main:
@@ -228,5 +230,6 @@ def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: Distrib
     if config.train.cuda_graphs and not cuda_graphs and dist_info.is_main:
         notice(f"train.cuda_graphs: CUDA graphs need a CUDA device, this run's is {dist_info.device.type}; "
                "compiled without them")
-    compile_model(model, config.train.compile_mode, cuda_graphs=cuda_graphs)
+    compile_model(model, config.train.compile_mode, cuda_graphs=cuda_graphs,
+                  cpp_wrapper=config.train.compile_cpp_wrapper)
     return True, cuda_graphs
