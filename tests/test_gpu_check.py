@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
@@ -302,6 +303,7 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
     # 20 measured steps, then one under the profiler; no final save (GBs, ~11 s of a short GPU call)
     assert {'data.mix="/d/mix.yml"', "model.vocab_size=16000", "train.train_iters=21", "train.log_interval=4",
             "train.eval_interval=0", "train.profile.start_step=21", "train.profile.steps=1",
+            "train.profile.record_shapes=true", "train.profile.row_limit=80",
             "train.save_final=false"} <= set(sets)
     at_64 = users_command.users_arguments(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "run",
                                           tmp_path / "cache", micro_batch=64)
@@ -315,5 +317,17 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
     assert wrapped[-2:] == ["--set", "train.compile_cpp_wrapper=true"]
     script = REPO / "tools/gpu_one_call.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    # GPU_ONE_CALL_ARCHIVE=1's packing: everything in results.tar.xz, each trace a file of its own
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    names = ["log.txt", "gpu_check.md", "sub/x.txt", "a_profile_steps_21_rank0.trace.json.gz", "b.trace.json.gz"]
+    for name in names:
+        (out / name).write_text(name)
+    packing = subprocess.run(["bash", str(REPO / "tools/one_call_archive.sh"), str(out)], capture_output=True, text=True)
+    assert packing.returncode == 0, packing.stderr
+    assert sorted(path.name for path in out.iterdir()) == ["a_profile_steps_21_rank0.trace.json.gz",
+                                                          "b.trace.json.gz", "results.tar.xz"]
+    with tarfile.open(out / "results.tar.xz") as archive:
+        assert sorted(archive.getnames()) == ["gpu_check.md", "log.txt", "sub", "sub/x.txt"]
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2 and usage.stderr.startswith("usage: bash tools/gpu_one_call.sh WHEELS_DIR BUNDLE OUT")

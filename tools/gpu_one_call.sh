@@ -18,8 +18,8 @@
 #   P2  the results board row in OUT/results_board.md, also for a check that P1's timeout cut short
 # Environment: PYTHON (python3), GPU_ONE_CALL_WORK (/tmp/gpu_one_call: scratch), GPU_ONE_CALL_SITE (/tmp/site),
 # GPU_ONE_CALL_BUDGET (560: seconds for the whole call; P1 gets what P0 left, less 30 s for P2),
-# GPU_ONE_CALL_ARCHIVE (unset; 1: OUT's files packed at the end into OUT/results.tar.xz and, the profiler's traces,
-# OUT/traces.tar.xz, for a job that brings back only a few files).
+# GPU_ONE_CALL_ARCHIVE (unset; 1: OUT's files packed at the end into OUT/results.tar.xz, the profiler's traces left
+# beside it one file each, for a job that brings back only a few files: tools/one_call_archive.sh).
 set -u -o pipefail
 
 USAGE="bash tools/gpu_one_call.sh WHEELS_DIR BUNDLE OUT [extra tools/gpu_check.py arguments]"
@@ -81,11 +81,6 @@ fi
 echo "[t=$(el)] end: $OUT"
 if [ "${GPU_ONE_CALL_ARCHIVE:-}" = 1 ]; then
   exec >/dev/null 2>&1 && sleep 1  # the tee has then written the last of log.txt before it is packed
-  cd "$OUT" && shopt -s nullglob && traces=(*trace*) && others=()
-  for name in *; do
-    case "$name" in *trace*|results.tar.xz|traces.tar.xz) ;; *) others+=("$name") ;; esac
-  done
-  tar -cJf results.tar.xz "${others[@]}" && rm -rf "${others[@]}"
-  [ ${#traces[@]} -gt 0 ] && tar -cJf traces.tar.xz "${traces[@]}" && rm -f "${traces[@]}"
+  bash "$REPO/tools/one_call_archive.sh" "$OUT"
 fi
 exit "$CHECK_RC"

@@ -38,6 +38,7 @@ MICRO_BATCH_KEY = "train.train_micro_batch_size_per_gpu"
 # the runs beside the config as it is: each variant's name (in its row, its run dir and log names) and its setting
 USERS_VARIANTS = {"cudagraphs": "train.cuda_graphs=true", "cpp_wrapper": "train.compile_cpp_wrapper=true"}
 USERS_PROFILED_STEPS = 1  # after the measured steps: 16 micro batches on one GPU, a trace of a few MB
+USERS_PROFILE_ROWS = 80  # operators in its table (the config's 40 stopped above the small kernels)
 SHOWN_COMMAND = f"deepspeed --num_gpus 1 train.py --config {USERS_CONFIG}"
 MAX_LISTED_WARNINGS, WARNING_CHARS = 8, 160
 # A Python warning ("path.py:83: UserWarning: ..."), a c10 TORCH_WARN line ("[W1126 21:13:03.258 File.cpp:1]")
@@ -62,8 +63,9 @@ def users_arguments(mix: Path, tokenizer: Path, vocab_size: int, run_dir: Path, 
             f"data.tokenizer.model={json.dumps(str(tokenizer))}", f"model.vocab_size={vocab_size}",
             "train.train_epochs=1", f"train.train_iters={iters + profiled}", f"train.log_interval={log_interval}",
             "train.eval_interval=0", "train.save_interval=0", "train.save_final=false", "train.wandb.mode=disabled"]
-    if profiled:
-        sets += [f"train.profile.start_step={iters + 1}", f"train.profile.steps={profiled}"]
+    if profiled:  # shapes in the trace: which tensors a kernel came from (Run 3's 4 aten::sum per block, unplaced)
+        sets += [f"train.profile.start_step={iters + 1}", f"train.profile.steps={profiled}",
+                 "train.profile.record_shapes=true", f"train.profile.row_limit={USERS_PROFILE_ROWS}"]
     if micro_batch:
         sets.append(f"{MICRO_BATCH_KEY}={micro_batch}")
     if variant:
