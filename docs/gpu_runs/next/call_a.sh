@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Prepared 2026-11-28 (ninth session, no GPU) for the next session lent a GPU: issue 35's remaining figures in one
-# call. From the repository root, with .gpu/ holding whl/ (tools/fetch_wheels.py) and bundle30m.tar.xz (+ .sha256):
+# Prepared 2026-11-28 (ninth session, no GPU; the eleventh moved the micro-batch-32 run to call B, as three users'
+# runs of ~80 s each did not fit beside the rest) for the next session lent a GPU: issue 35's remaining figures. From the repository root, with .gpu/ holding whl/ (tools/fetch_wheels.py) and bundle30m.tar.xz (+ .sha256):
 #   cp docs/gpu_runs/next/call_*.sh .gpu/   (after building .gpu/whl and .gpu/bundle30m.tar.xz: docs/gpu.md,
 #                                             "What the next GPU run should show")
 #   run: bash .gpu/call_a.sh "$OUT" 480     (device tool: carry [".gpu"], timeout_s 510; leaves call B and the start
@@ -11,5 +11,5 @@ OUT=$1; BUDGET=${2:-480}
 GPU_ONE_CALL_ARCHIVE=1 GPU_ONE_CALL_BUDGET=$BUDGET GPU_ONE_CALL_TESTS_S=150 \
   bash tools/gpu_one_call.sh .gpu/whl .gpu/bundle30m.tar.xz "$OUT" \
   --only env,throughput,users_command,sync --schemes rope,coca_slack,coca_strict \
-  --users-micro-batch 16,32 --users-cuda-graphs 16 --sdpa-kernel auto,flash
+  --users-micro-batch 16 --users-cuda-graphs 16 --sdpa-kernel auto,flash
 ls -la "$OUT"

@@ -1,43 +1,60 @@
 #!/usr/bin/env bash
 # Prepared 2026-11-28 (eleventh session, no GPU): call B, right after call_a.sh on the same warm machine (its
 # wheels in /tmp/site). In priority order, as the session's remaining device time may cut it short:
-#   1. the users' command at micro batch 16 with train.compile_cpp_wrapper=true (gpu_check's --users-cpp-wrapper
-#      row, run alone: call A ran the plain row) -> OUT/users_cpp_wrapper.json, its log, metrics and profile
+#   1. the users' command at micro batch 32 (gpu_check's --users-micro-batch 32 row), then at 16 with
+#      train.compile_cpp_wrapper=true (its --users-cpp-wrapper 16 row), run alone: call A ran the plain and the CUDA
+#      graphs rows at 16 -> users_b.json (the rows), each run's log, metrics and profiled step
 #   2. the speedrun's throughput probe (30 steps each of rope and coca_slack, 41.6M, ZeRO 1) with
-#      train.cuda_graphs true, then false -> OUT/probe_{true,false}.txt / .json
-#   run: bash .gpu/call_b.sh "$OUT"     (device tool: carry [".gpu"], timeout_s: what is left, <= 420)
+#      train.cuda_graphs true, then false -> probe_{true,false}.txt / .json
+# Everything but the traces is re-packed into OUT/results.tar.xz after each stage and each trace moved to OUT, so
+# that a call cut short still brings back what it measured in at most a few files (the device tool takes 8).
+#   run: bash .gpu/call_b.sh "$OUT"     (device tool: carry [".gpu"], timeout_s: what is left, <= 500)
 set -u
-OUT=$1
+OUT=$1; RES=/tmp/res_b; rm -rf "$RES"; mkdir -p "$RES"
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
+pack() {
+  (cd "$RES" && for trace in *trace*; do [ -f "$trace" ] && mv "$trace" "$OUT/"; done
+   tar -cJf "$OUT/results.tar.xz.part" . && mv "$OUT/results.tar.xz.part" "$OUT/results.tar.xz")
+}
+exec > >(tee -a "$RES/log.txt") 2>&1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1 WANDB_MODE=disabled \
   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 [ -d /tmp/site ] || { echo "no /tmp/site: the machine is not call A's; installing the wheels";
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl; }
 DATA_ARGS=$(timeout 120 python3 -m megatron_lite.bench.users_command .gpu/bundle30m.tar.xz /tmp/gpu_one_call/data)
 echo "[t=$(el)] data: $DATA_ARGS"
-# shellcheck disable=SC2086
-timeout 230 python3 - $DATA_ARGS "$OUT" <<'PY'
-import json, shutil, sys
+users_run() {  # MICRO_BATCH [VARIANT]: one users' command run, its row appended to users_b.json, its files to RES
+  # shellcheck disable=SC2086
+  timeout 175 python3 - $DATA_ARGS "$RES" "$1" "${2:-}" <<'PY'
+import json, os, shutil, sys
 from pathlib import Path
 from megatron_lite.bench.users_command import run_users_command
-_, _, mix, _, tokenizer, _, vocab, out = sys.argv
-work, out = Path("/tmp/users_b"), Path(out)
-rows = run_users_command(Path(mix), Path(tokenizer), int(vocab), work, cuda=True, timeout_s=215, progress=print,
-                         micro_batch=16, variant="cpp_wrapper")
-(out / "users_cpp_wrapper.json").write_text(json.dumps(rows, indent=1, default=str))
-for row in rows:
-    print({key: value for key, value in row.items() if key != "warning_lines"})
-run = work / "run_micro_batch_16_cpp_wrapper"
-for source in [work / "log_micro_batch_16_cpp_wrapper.txt", run / "metrics.jsonl", *sorted((run / "profile").glob("*"))]:
-    if source.is_file() and source.stat().st_size < 30_000_000:
-        shutil.copy(source, out / f"users_cpp_wrapper_{source.name}")
+_, _, mix, _, tokenizer, _, vocab, out, micro_batch, variant = sys.argv
+cuda = os.environ.get("CALL_B_CUDA", "1") == "1"  # 0: a dry run of this script on a CPU (the rows say skipped)
+work, out, micro_batch, variant = Path("/tmp/users_b"), Path(out), int(micro_batch), variant or None
+rows_path = out / "users_b.json"
+rows = json.loads(rows_path.read_text()) if rows_path.is_file() else []
+rows += run_users_command(Path(mix), Path(tokenizer), int(vocab), work, cuda=cuda, timeout_s=160, progress=print,
+                          micro_batch=micro_batch, variant=variant)
+rows_path.write_text(json.dumps(rows, indent=1, default=str))
+print({key: value for key, value in rows[-1].items() if key != "warning_lines"}, flush=True)
+suffix = f"_micro_batch_{micro_batch}" + (f"_{variant}" if variant else "")
+run = work / f"run{suffix}"
+for source in [work / f"log{suffix}.txt", run / "metrics.jsonl", *sorted((run / "profile").glob("*"))]:
+    if source.is_file() and source.stat().st_size < 16_000_000:
+        shutil.copy(source, out / f"users{suffix}_{source.name}")
 PY
-echo "[t=$(el)] users' command with the C++ wrapper exited $?"
+  echo "[t=$(el)] the users' command at $1 ${2:-} exited $?"; pack
+}
+users_run 32
+users_run 16 cpp_wrapper
+[ "${CALL_B_PROBES:-1}" = 1 ] || { ls -la "$OUT"; exit 0; }  # 0: no speedrun probes (a dry run)
 for graphs in true false; do
   timeout 100 python3 tools/reproduce.py --profile gpu-speedrun --bundle .gpu/bundle30m.tar.xz \
     --out "/tmp/probe_$graphs" --only data,probe --no-board --set "train.cuda_graphs=$graphs" \
-    > "$OUT/probe_$graphs.txt" 2>&1
-  echo "[t=$(el)] cuda_graphs=$graphs exited $?"; cp "/tmp/probe_$graphs/probe.json" "$OUT/probe_$graphs.json"
-  grep "probe:" "$OUT/probe_$graphs.txt" | tail -2
+    > "$RES/probe_$graphs.txt" 2>&1
+  echo "[t=$(el)] cuda_graphs=$graphs exited $?"; cp "/tmp/probe_$graphs/probe.json" "$RES/probe_$graphs.json"
+  grep "probe:" "$RES/probe_$graphs.txt" | tail -2
+  pack
 done
 ls -la "$OUT"
