@@ -315,6 +315,12 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
     wrapped = users_command.users_arguments(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "run",
                                             tmp_path / "cache", variant="cpp_wrapper")
     assert wrapped[-2:] == ["--set", "train.compile_cpp_wrapper=true"]
+    # a run the section's budget skips starts nothing, even with CUDA
+    over = "skipped: the section passed its 240 s budget"
+    (row,) = users_command.run_users_command(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "work", True,
+                                             60.0, print, micro_batch=32, skipped=over)
+    assert row["status"] == over and row["micro_batch"] == 32
+    assert not (tmp_path / "work").exists()
     script = REPO / "tools/gpu_one_call.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     # GPU_ONE_CALL_ARCHIVE=1's packing: everything in results.tar.xz, each trace a file of its own
@@ -323,7 +329,8 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
     names = ["log.txt", "gpu_check.md", "sub/x.txt", "a_profile_steps_21_rank0.trace.json.gz", "b.trace.json.gz"]
     for name in names:
         (out / name).write_text(name)
-    packing = subprocess.run(["bash", str(REPO / "tools/one_call_archive.sh"), str(out)], capture_output=True, text=True)
+    packing = subprocess.run(["bash", str(REPO / "tools/one_call_archive.sh"), str(out)], capture_output=True,
+                             text=True)
     assert packing.returncode == 0, packing.stderr
     assert sorted(path.name for path in out.iterdir()) == ["a_profile_steps_21_rank0.trace.json.gz",
                                                           "b.trace.json.gz", "results.tar.xz"]

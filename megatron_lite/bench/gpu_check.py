@@ -613,12 +613,14 @@ def section_users_command(settings: CheckSettings, progress: Progress) -> list[d
                                                  for micro_batch in settings.users_micro_batches or [None]]
     runs += [(micro_batch, variant) for variant, micro_batches in settings.users_variants().items()
              for micro_batch in micro_batches]
+    start = time.perf_counter()
     for micro_batch, variant in runs:
         rows += run_users_command(settings.mix, settings.tokenizer, settings.vocab_size,
                                   settings.out / "users_command", cuda=settings.device.type == "cuda"
                                   and torch.cuda.is_available(),
                                   timeout_s=USERS_TIMEOUT_S["quick" if settings.quick else "full"], progress=progress,
-                                  micro_batch=micro_batch, variant=variant)
+                                  micro_batch=micro_batch, variant=variant,
+                                  skipped=_over_budget(settings, "users_command", start))
         progress(f"  users_command: {_row_summary(rows[-1])}")
     return rows
 

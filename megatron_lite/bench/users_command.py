@@ -212,17 +212,19 @@ def _failure_line(log_text: str) -> str:
 
 def run_users_command(mix: Path | None, tokenizer: Path | None, vocab_size: int | None, work: Path, cuda: bool,
                       timeout_s: float, progress: Progress, iters: int = USERS_ITERS,
-                      micro_batch: int | None = None, variant: str | None = None) -> list[dict[str, Any]]:
+                      micro_batch: int | None = None, variant: str | None = None,
+                      skipped: str | None = None) -> list[dict[str, Any]]:
     """One row: the users' command run in ``work`` (run dir, data cache, compile cache, log.txt); with
     ``micro_batch``, at that micro batch (the global batch, so the optimizer steps, unchanged: the accumulation
     follows), in ``run_micro_batch_N`` with ``log_micro_batch_N.txt``; with ``variant``, with its
-    ``USERS_VARIANTS`` setting (``..._cudagraphs``, ``..._cpp_wrapper``)."""
+    ``USERS_VARIANTS`` setting (``..._cudagraphs``, ``..._cpp_wrapper``). ``skipped``: the row's status, nothing
+    run (a section past its budget)."""
     shown = (SHOWN_COMMAND + (f" --set {MICRO_BATCH_KEY}={micro_batch}" if micro_batch else "")
              + (f" --set {USERS_VARIANTS[variant]}" if variant else ""))
     row: dict[str, Any] = {"command": shown, "steps": iters, "micro_batch": micro_batch or "config",
                            "variant": variant or "-"}
-    if not cuda:
-        row["status"] = "skipped: no CUDA"
+    if skipped is not None or not cuda:
+        row["status"] = skipped or "skipped: no CUDA"
         return [row]
     if mix is None or tokenizer is None or vocab_size is None:
         row["status"] = "skipped: no --mix/--tokenizer/--vocab-size (a bundle's shards: gpu_one_call.sh)"
