@@ -165,7 +165,7 @@ def test_an_archive_that_is_not_the_one_built_is_refused_before_anything_is_extr
         "tools/build_data_bundle.py wrote, or give the archive's sha256 with --bundle-sha256 HEX")
     with pytest.raises(ValueError, match=r"^--bundle-sha256 'abc': expected a sha256, 64 hexadecimal digits$"):
         unpack_bundle(swapped, tmp_path / "out3", sha256="abc")
-    with pytest.raises(ValueError, match=rf"\(--bundle-sha256\); the archive is damaged"):
+    with pytest.raises(ValueError, match=r"\(--bundle-sha256\); the archive is damaged"):
         unpack_bundle(swapped, tmp_path / "out4", sha256=file_sha256(bundle))
     vouched = unpack_bundle(swapped, tmp_path / "out5", sha256=file_sha256(swapped).upper())  # the user's word
     assert vouched.tokenizer.read_bytes() == b"not the tokenizer that was built"

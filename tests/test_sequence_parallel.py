@@ -19,7 +19,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
