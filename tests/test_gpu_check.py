@@ -6,6 +6,8 @@ each); the users' command's metrics and warnings read from synthetic files; tool
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import tarfile
 import time
@@ -338,3 +340,34 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
         assert sorted(archive.getnames()) == ["gpu_check.md", "log.txt", "sub", "sub/x.txt"]
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2 and usage.stderr.startswith("usage: bash tools/gpu_one_call.sh WHEELS_DIR BUNDLE OUT")
+
+
+def test_the_prepared_gpu_calls_still_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/gpu_runs/next/'s calls are run as they are by the next session lent a GPU (15 minutes, no room for a
+    typo): each is valid bash, call A's gpu_check arguments parse (a renamed flag or value fails here, not on the
+    node), and call B's users' variants and speedrun probe arguments exist."""
+    calls = sorted((REPO / "docs/gpu_runs/next").glob("call_*.sh"))
+    assert [call.name for call in calls] == ["call_a.sh", "call_b.sh"]
+    for call in calls:
+        assert subprocess.run(["bash", "-n", str(call)], capture_output=True).returncode == 0, call
+    call_a = calls[0].read_text().replace("\\\n", " ")
+    (line,) = [line for line in call_a.splitlines() if "tools/gpu_one_call.sh" in line and not line.startswith("#")]
+    check_arguments = shlex.split(line.split('"$OUT"', 1)[1])
+    assert "--users-cuda-graphs" in check_arguments
+    # every argument parsed and checked; the board-only path then stops at the empty OUT
+    code = load_script("tools/gpu_check.py").main([*check_arguments, "--quick", "--out", str(tmp_path), "--board-only",
+                                                   "--board", str(tmp_path / "board.md")])
+    assert code == EXIT_USER_ERROR and "holds no gpu_check.json" in capsys.readouterr().err
+    call_b = calls[1].read_text()
+    users_runs = re.findall(r"^users_run (\d+) ?(\w*)$", call_b, flags=re.M)
+    assert users_runs
+    for micro_batch, variant in users_runs:
+        assert int(micro_batch) >= 1 and (not variant or variant in users_command.USERS_VARIANTS), variant
+    (probe,) = re.findall(r"python3 tools/reproduce\.py (.*?) >", call_b.replace("\\\n", " "))
+    arguments = shlex.split(probe.replace("$graphs", "true"))
+    load_script("tools/reproduce.py").parse_args(arguments)
+    keys = [value.split("=")[0] for flag, value in zip(arguments, arguments[1:]) if flag == "--set"]
+    assert keys == ["train.cuda_graphs"]
+    for key in keys:
+        section, name = key.split(".")
+        assert section == "train" and name in config_lib.TrainConfig.__dataclass_fields__, key
