@@ -77,6 +77,16 @@ def test_cpu_window_writes_trace_table_and_summary(tmp_path: Path, capsys: pytes
     assert "profiled steps 2-3: " in capsys.readouterr().out
 
 
+def test_recorded_shapes_get_a_table_of_their_own(tmp_path: Path) -> None:
+    section = ProfileConfig(start_step=1, steps=1, record_shapes=True)
+    with StepProfiler(section, tmp_path, rank=0, device=torch.device("cpu")) as profiler:
+        _train_like_steps(profiler, range(1, 2))
+    shapes = (tmp_path / "profile" / "steps_1_rank0_shapes.txt").read_text()
+    assert shapes.startswith("profiled step 1: ") and "Input Shapes" in shapes
+    # the forward's product and the backward's weight gradient: the same operator, one row per shape pair
+    assert "[[32, 64], [64, 64]]" in shapes and "[[64, 32], [32, 64]]" in shapes
+
+
 def test_window_cut_short_is_written_and_other_ranks_write_nothing(tmp_path: Path) -> None:
     section = ProfileConfig(start_step=2, steps=5, ranks=[1])
     with StepProfiler(section, tmp_path / "rank0", rank=0, device=torch.device("cpu")) as idle:

@@ -6,7 +6,7 @@
 # WHEELS_DIR  the wheels of tools/fetch_wheels.py (installed into /tmp/site); '-' installs nothing
 # BUNDLE      a data bundle of tools/build_data_bundle.py (BUNDLE.sha256 beside it): the users' command's data
 # OUT         receives log.txt (everything printed), gpu_tests.txt, gpu_check.md/.json, users_command_log.txt,
-#             users_command_metrics.jsonl, users_command_profile_* (its profiled step: table, summary, trace)
+#             users_command_metrics.jsonl, users_command_profile_* (its profiled step: tables, summary, trace)
 #             and results_board.md (this check's results board row)
 #
 # Phases, each under its own timeout so that a cut run keeps what the earlier ones measured:

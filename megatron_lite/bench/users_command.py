@@ -63,7 +63,7 @@ def users_arguments(mix: Path, tokenizer: Path, vocab_size: int, run_dir: Path, 
             f"data.tokenizer.model={json.dumps(str(tokenizer))}", f"model.vocab_size={vocab_size}",
             "train.train_epochs=1", f"train.train_iters={iters + profiled}", f"train.log_interval={log_interval}",
             "train.eval_interval=0", "train.save_interval=0", "train.save_final=false", "train.wandb.mode=disabled"]
-    if profiled:  # shapes in the trace: which tensors a kernel came from (Run 3's 4 aten::sum per block, unplaced)
+    if profiled:  # shapes (trace, _shapes.txt): which tensors an operator took (Run 3: 4 aten::sum per block, unplaced)
         sets += [f"train.profile.start_step={iters + 1}", f"train.profile.steps={profiled}",
                  "train.profile.record_shapes=true", f"train.profile.row_limit={USERS_PROFILE_ROWS}"]
     if micro_batch:

@@ -374,8 +374,9 @@ class ProfileConfig:
         "holds the compile) and away from evaluations and saves.", default=0)
     steps: int = _doc("Optimizer steps profiled, from start_step on (each with all its micro batches).", default=2)
     ranks: list[int] = _doc("Global ranks that profile (each writes its own files).", default_factory=lambda: [0])
-    record_shapes: bool = _doc("Record operator input shapes (larger trace, more profiler overhead).",
-                               default=False)
+    record_shapes: bool = _doc(
+        "Record operator input shapes (larger trace, more profiler overhead) and write a second table, the "
+        "operators split by input shapes, twice row_limit rows (steps_..._shapes.txt).", default=False)
     row_limit: int = _doc("Operators listed in the table.", default=40)
 
 

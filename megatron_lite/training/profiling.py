@@ -197,5 +197,9 @@ class StepProfiler:
         sort_by = "self_device_time_total" if summary.device == "cuda" else "self_cpu_time_total"
         table = profiler.key_averages().table(sort_by=sort_by, row_limit=self.section.row_limit)
         write_text_atomic(stem.with_suffix(".txt"), f"{summary.line()}\n\n{table}\n")
+        if self.section.record_shapes:  # the same operators split by their input shapes, readable without the trace
+            rows = 2 * self.section.row_limit  # an operator takes a row per shape
+            shapes = profiler.key_averages(group_by_input_shape=True).table(sort_by=sort_by, row_limit=rows)
+            write_text_atomic(stem.with_name(stem.name + "_shapes.txt"), f"{summary.line()}\n\n{shapes}\n")
         write_text_atomic(stem.with_suffix(".json"), json.dumps(asdict(summary), indent=1) + "\n")
         console(f"{summary.line()} ({stem}.txt, {trace.name})")
