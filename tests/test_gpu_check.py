@@ -367,7 +367,4 @@ def test_the_prepared_gpu_calls_still_parse(tmp_path: Path, capsys: pytest.Captu
     arguments = shlex.split(probe.replace("$graphs", "true"))
     load_script("tools/reproduce.py").parse_args(arguments)
     keys = [value.split("=")[0] for flag, value in zip(arguments, arguments[1:]) if flag == "--set"]
-    assert keys == ["train.cuda_graphs"]
-    for key in keys:
-        section, name = key.split(".")
-        assert section == "train" and name in config_lib.TrainConfig.__dataclass_fields__, key
+    assert keys == ["train.cuda_graphs"] and "cuda_graphs" in config_lib.TrainConfig.__dataclass_fields__
