@@ -6,15 +6,14 @@
 #      graphs rows at 16 -> users_b.json (the rows), each run's log, metrics and profiled step
 #   2. the speedrun's throughput probe (30 steps each of rope and coca_slack, 41.6M, ZeRO 1) with
 #      train.cuda_graphs true, then false -> probe_{true,false}.txt / .json
-# Everything but the traces is re-packed into OUT/results.tar.xz after each stage and each trace moved to OUT, so
+# Everything but the traces is re-packed into OUT/results.tar.xz after each stage and each trace copied to OUT, so
 # that a call cut short still brings back what it measured in at most a few files (the device tool takes 8).
 #   run: bash .gpu/call_b.sh "$OUT"     (device tool: carry [".gpu"], timeout_s: what is left, <= 500)
 set -u
 OUT=$1; RES=/tmp/res_b; rm -rf "$RES"; mkdir -p "$RES"
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
-pack() {
-  (cd "$RES" && for trace in *trace*; do [ -f "$trace" ] && mv "$trace" "$OUT/"; done
-   tar -cJf "$OUT/results.tar.xz.part" . && mv "$OUT/results.tar.xz.part" "$OUT/results.tar.xz")
+pack() {  # all of RES so far, again: results.tar.xz and each trace a file (tools/one_call_archive.sh)
+  cp -r "$RES"/. "$OUT"/ && bash tools/one_call_archive.sh "$OUT"
 }
 exec > >(tee -a "$RES/log.txt") 2>&1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1 WANDB_MODE=disabled \
