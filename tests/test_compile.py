@@ -177,3 +177,29 @@ def test_regional_graphs_qualify_for_cuda_graphs(scheme: str, constraint: str) -
     model(ids[:, :-1], labels=ids[:, 1:]).backward()
     assert len(seen) == 4  # the block's forward and backward (compiled once for every block), the head's
     assert seen == [([], 0)] * 4
+
+
+def test_inductor_settings_are_flattened_and_checked_against_the_installed_torch() -> None:
+    """train.compile_options: nested or dotted names become torch.compile's flat options, added to a mode's own;
+    a name the installed inductor does not have, a setting the loop's own keys own, or a non-boolean for a
+    boolean stop in one line naming the key."""
+    from megatron_lite.model.compile import compile_options, inductor_settings
+
+    nested = {"triton": {"mix_order_reduction": False}, "max_autotune_gemm_backends": "ATEN"}
+    assert inductor_settings(nested) == inductor_settings({"triton.mix_order_reduction": False,
+                                                           "max_autotune_gemm_backends": "ATEN"}) \
+        == {"triton.mix_order_reduction": False, "max_autotune_gemm_backends": "ATEN"}
+    assert compile_options(inductor={}) == {} and compile_options(True, inductor={}) == {"mode": "reduce-overhead"}
+    graphs = compile_options(True, inductor=nested)["options"]
+    assert graphs["triton.cudagraphs"] is True and graphs["triton.mix_order_reduction"] is False
+    assert compile_options(cpp_wrapper=True, inductor=nested) == {"options": {
+        "triton.mix_order_reduction": False, "max_autotune_gemm_backends": "ATEN", "cpp_wrapper": True}}
+    with pytest.raises(ValueError, match=r"^train.compile_options.triton.mix_order_reductio: not an inductor setting "
+                                         r"of torch .* \(did you mean triton.mix_order_reduction"):
+        inductor_settings({"triton": {"mix_order_reductio": False}})
+    with pytest.raises(ValueError, match=r"^train.compile_options.triton.cudagraphs: set train.cuda_graphs instead$"):
+        inductor_settings({"triton.cudagraphs": True})
+    with pytest.raises(ValueError, match=r"^train.compile_options.cpp_wrapper: set train.compile_cpp_wrapper"):
+        inductor_settings({"cpp_wrapper": True})
+    with pytest.raises(ValueError, match=r"^train.compile_options.triton.mix_order_reduction='no': must be true or"):
+        inductor_settings({"triton": {"mix_order_reduction": "no"}})

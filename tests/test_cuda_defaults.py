@@ -111,10 +111,15 @@ def test_compile_off_on_cpu_and_at_zero_3() -> None:
 
 def test_cuda_graphs_on_a_cuda_device_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """train.cuda_graphs asks compile_model for CUDA graphs on CUDA; on CPU, or with train.compile=false, it says
-    in one line that it cannot and trains without them; so does train.compile_cpp_wrapper without train.compile."""
+    in one line that it cannot and trains without them; so do train.compile_cpp_wrapper and train.compile_options
+    without train.compile, which otherwise reach compile_model."""
     asked: list[tuple[bool, bool]] = []
-    monkeypatch.setattr(engine_lib, "compile_model",
-                        lambda model, mode, cuda_graphs, cpp_wrapper: asked.append((cuda_graphs, cpp_wrapper)))
+    settings: list[dict] = []
+
+    def compile_model(model, mode, cuda_graphs, cpp_wrapper, inductor) -> None:
+        asked.append((cuda_graphs, cpp_wrapper))
+        settings.append(inductor)
+    monkeypatch.setattr(engine_lib, "compile_model", compile_model)
     config = with_train(compile=True, cuda_graphs=True)
     cuda_rank = dataclasses.replace(CPU, device=CUDA)
     assert engine_lib._compile_in_place(GPT(tiny_config().model), config, cuda_rank) == (True, True)
@@ -124,6 +129,13 @@ def test_cuda_graphs_on_a_cuda_device_only(monkeypatch: pytest.MonkeyPatch) -> N
     wrapped = with_train(compile=True, compile_cpp_wrapper=True)
     assert engine_lib._compile_in_place(GPT(tiny_config().model), wrapped, CPU) == (True, False)  # any device
     assert asked == [(True, False), (False, False), (False, False), (False, True)]
+    tuned = with_train(compile=True, compile_options={"triton": {"mix_order_reduction": False}})
+    assert engine_lib._compile_in_place(GPT(tiny_config().model), tuned, cuda_rank) == (True, False)
+    assert settings == [{}] * 4 + [{"triton": {"mix_order_reduction": False}}]
+    with pytest.warns(UserWarning, match=r"train.compile_options: inductor's settings shape compiled graphs, and this "
+                                         r"run trains eagerly \(train.compile=false on cuda\); the setting is ignored"):
+        assert engine_lib._compile_in_place(GPT(tiny_config().model), with_train(
+            compile=False, compile_options={"max_autotune": True}), cuda_rank) == (False, False)
     with pytest.warns(UserWarning, match=r"train.cuda_graphs: .* trains eagerly \(train.compile=false on cuda\)"):
         assert engine_lib._compile_in_place(GPT(tiny_config().model), with_train(compile=False, cuda_graphs=True),
                                             cuda_rank) == (False, False)

@@ -20,6 +20,7 @@ from megatron_lite import config as config_lib
 from megatron_lite import results_board
 from megatron_lite.bench import gpu_check, gpu_check_settings, users_command
 from megatron_lite.model import GPT
+from megatron_lite.model.compile import inductor_settings
 from megatron_lite.cli import EXIT_USER_ERROR
 from script_loading import REPO, load_script
 
@@ -361,8 +362,12 @@ def test_the_prepared_gpu_calls_still_parse(tmp_path: Path, capsys: pytest.Captu
     call_b = calls[1].read_text()
     users_runs = re.findall(r"^users_run (\d+) ?(\w*)$", call_b, flags=re.M)
     assert users_runs
+    users_config = config_lib.load(REPO / users_command.USERS_CONFIG)
     for micro_batch, variant in users_runs:
         assert int(micro_batch) >= 1 and (not variant or variant in users_command.USERS_VARIANTS), variant
+        if variant:  # its setting applies to the users' config, and names only settings torch's inductor has
+            varied = config_lib.with_overrides(users_config, [users_command.USERS_VARIANTS[variant]])
+            inductor_settings(varied.train.compile_options)
     (probe,) = re.findall(r"python3 tools/reproduce\.py (.*?) >", call_b.replace("\\\n", " "))
     arguments = shlex.split(probe.replace("$graphs", "true"))
     load_script("tools/reproduce.py").parse_args(arguments)

@@ -466,6 +466,12 @@ class TrainConfig:
         "the host (small micro batches, small models); works with or without train.cuda_graphs. The first step "
         "also builds each graph's wrapper with the C++ compiler. Needs train.compile (otherwise the run says so "
         "in one line). Off until a GPU measurement says it helps (docs/gpu.md).", default=False)
+    compile_options: dict[str, Any] = _doc(
+        "Passthrough: inductor settings for the compiled graphs, given to torch.compile as its options: "
+        "torch._inductor.config names, nested or dotted (e.g. {triton: {mix_order_reduction: false}}, or --set "
+        "train.compile_options.triton.mix_order_reduction=false); each name and boolean is checked against the "
+        "installed torch when the model compiles. Not triton.cudagraphs or cpp_wrapper (train.cuda_graphs, "
+        "train.compile_cpp_wrapper). Needs train.compile.", default_factory=dict)
     tf32: bool | None = _doc(
         "TensorFloat-32 tensor cores for float32 matmuls and cuDNN convolutions "
         "(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32), set before the model is "

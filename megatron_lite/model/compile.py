@@ -15,12 +15,13 @@ float64 cos/sin were recomputed by every layer's fused kernels, per activation e
 
 Both compile in place, so state-dict keys stay as they are (no ``_orig_mod.`` prefix) and checkpoints move
 freely between compiled and eager runs. Either can launch each graph's kernels from Python (inductor's default
-wrapper) or from generated C++ (``cpp_wrapper``), and replay them as CUDA graphs (``cuda_graphs``).
+wrapper) or from generated C++ (``cpp_wrapper``), replay them as CUDA graphs (``cuda_graphs``), and take any
+other inductor setting (``inductor``, train.compile_options).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -37,20 +38,58 @@ def inductor_mode(cuda_graphs: bool, max_autotune: bool) -> str | None:
     return "reduce-overhead" if cuda_graphs else None
 
 
-def compile_options(cuda_graphs: bool = False, max_autotune: bool = False,
-                    cpp_wrapper: bool = False) -> dict[str, Any]:
-    """torch.compile's keyword arguments: its ``mode`` alone, or, with ``cpp_wrapper``, that mode's inductor
-    options and ``cpp_wrapper`` (torch.compile takes a mode or options, never both)."""
+# inductor settings that the loop's own keys own: set through those, which also keep the loop fit for them
+OWNED_INDUCTOR_SETTINGS = {"triton.cudagraphs": "train.cuda_graphs", "cpp_wrapper": "train.compile_cpp_wrapper"}
+
+
+def inductor_settings(settings: Mapping[str, Any], where: str = "train.compile_options") -> dict[str, Any]:
+    """``settings`` (torch._inductor.config names, nested or dotted: ``{"triton": {"mix_order_reduction":
+    False}}`` or ``{"triton.mix_order_reduction": False}``) as torch.compile's flat ``options``, each name
+    checked against the installed torch's inductor (a ValueError naming it, with the nearest names)."""
+    import difflib
+
+    from torch._inductor import config as inductor_config
+
+    flat: dict[str, Any] = {}
+    pending = [("", dict(settings))]
+    while pending:
+        prefix, mapping = pending.pop()
+        for key, value in mapping.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, Mapping):
+                pending.append((f"{name}.", dict(value)))
+            else:
+                flat[name] = value
+    known = inductor_config.get_config_copy()
+    for name, value in flat.items():
+        if name in OWNED_INDUCTOR_SETTINGS:
+            raise ValueError(f"{where}.{name}: set {OWNED_INDUCTOR_SETTINGS[name]} instead")
+        if name not in known:
+            near = difflib.get_close_matches(name, list(known), n=3)
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            raise ValueError(f"{where}.{name}: not an inductor setting of torch {torch.__version__}{hint}")
+        if isinstance(known[name], bool) and not isinstance(value, bool):
+            raise ValueError(f"{where}.{name}={value!r}: must be true or false")
+    return flat
+
+
+def compile_options(cuda_graphs: bool = False, max_autotune: bool = False, cpp_wrapper: bool = False,
+                    inductor: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """torch.compile's keyword arguments: its ``mode`` alone, or, with ``cpp_wrapper`` or ``inductor``
+    settings (``inductor_settings``), that mode's inductor options with them (torch.compile takes a mode or
+    options, never both)."""
     mode = inductor_mode(cuda_graphs, max_autotune)
-    if not cpp_wrapper:
+    settings = {**inductor_settings(inductor or {}), **({"cpp_wrapper": True} if cpp_wrapper else {})}
+    if not settings:
         return {"mode": mode} if mode else {}
     from torch._inductor import list_mode_options
 
-    return {"options": {**(list_mode_options(mode) if mode else {}), "cpp_wrapper": True}}  # None lists every mode
+    return {"options": {**(list_mode_options(mode) if mode else {}), **settings}}  # None lists every mode
 
 
 def compile_model(model: nn.Module, mode: CompileMode = "regional", backend: str | Callable[..., Any] = "inductor",
-                  cuda_graphs: bool = False, max_autotune: bool = False, cpp_wrapper: bool = False) -> None:
+                  cuda_graphs: bool = False, max_autotune: bool = False, cpp_wrapper: bool = False,
+                  inductor: Mapping[str, Any] | None = None) -> None:
     """Compile ``model`` (a ``GPT``) in place: each of ``model.layers`` and its ``lm_head`` (``regional``), or
     ``model.decode`` (``whole``). ``backend``: torch.compile's (tests pass one that records the graphs).
     ``cuda_graphs``: inductor's CUDA graphs (torch.compile's ``mode="reduce-overhead"``) for each compiled graph,
@@ -61,8 +100,9 @@ def compile_model(model: nn.Module, mode: CompileMode = "regional", backend: str
     keeps, at minutes of compile time (the GPU check's ``-max-autotune`` rows; a measurement only).
     ``cpp_wrapper``: inductor's C++ wrapper (train.compile_cpp_wrapper): each graph's kernels and library calls
     launched from generated C++ instead of generated Python, less host time per kernel for steps whose GPU waits
-    on the host, at the cost of a C++ build of each graph in the first step."""
-    options = compile_options(cuda_graphs, max_autotune, cpp_wrapper)
+    on the host, at the cost of a C++ build of each graph in the first step. ``inductor``: more of inductor's
+    settings (train.compile_options; ``inductor_settings``)."""
+    options = compile_options(cuda_graphs, max_autotune, cpp_wrapper, inductor)
     if mode == "whole":
         decode = getattr(model, "decode", None)
         if decode is None:

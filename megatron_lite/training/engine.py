@@ -216,7 +216,8 @@ def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: Distrib
     and eager runs. Returns (compiled, with CUDA graphs)."""
     if not use_compile(config, dist_info.device):
         setting = {None: "null", True: "true", False: "false"}[config.train.compile]
-        for key, what in (("cuda_graphs", "CUDA graphs replay"), ("compile_cpp_wrapper", "the C++ wrapper launches")):
+        for key, what in (("cuda_graphs", "CUDA graphs replay"), ("compile_cpp_wrapper", "the C++ wrapper launches"),
+                          ("compile_options", "inductor's settings shape")):
             if getattr(config.train, key) and dist_info.is_main:
                 notice(f"train.{key}: {what} compiled graphs, and this run trains eagerly "
                        f"(train.compile={setting} on {dist_info.device.type}); the setting is ignored")
@@ -231,5 +232,5 @@ def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: Distrib
         notice(f"train.cuda_graphs: CUDA graphs need a CUDA device, this run's is {dist_info.device.type}; "
                "compiled without them")
     compile_model(model, config.train.compile_mode, cuda_graphs=cuda_graphs,
-                  cpp_wrapper=config.train.compile_cpp_wrapper)
+                  cpp_wrapper=config.train.compile_cpp_wrapper, inductor=config.train.compile_options)
     return True, cuda_graphs

@@ -1,0 +1,71 @@
+"""tools/inductor_cuda_code.py: what inductor generates for CUDA for one block, read on a CPU. The counting is
+checked on lines of a real generated wrapper (torch 2.11's, for an H200); the lowering itself where triton and
+the GPU node's torch 2.11 are installed (a developer's venv; CI has neither, and skips it)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from megatron_lite.bench.cuda_lowering import (LoweringSettings, count_launches, format_lowering, lower_block,
+                                               lowering_settings)
+
+# from the backward of one rope block at micro batch 16 (the wrapper's call, comments and bookkeeping left out)
+WRAPPER = """
+    def call(self, args):
+        with torch.cuda._DeviceGuard(0):
+            stream0 = get_raw_stream(0)
+            triton_red_fused_sum_view_1.run(tangents_1, buf2, buf19, 65536, 128, stream=stream0)
+            # Topologically Sorted Source Nodes: [view_10, permute_9, mm_1], Original ATen: [aten.view, aten.mm]
+            extern_kernels.mm(reinterpret_tensor(tangents_1, (1024, 8192), (1, 1024), 0), view_8, out=buf1)
+            buf22 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(buf17, add_2, 0.0)
+            triton_per_fused_add_native_layer_norm_native_layer_norm_backward_view_8.run(buf27, workspace_0, 8192, 1024, stream=stream0)
+            buf12 = workspace_0[0 * 512 * 1024 : (0 + 1) * 512 * 1024].view(512, 1024).sum(dim=0)
+            buf34 = workspace_0[1 * 512 * 1024 : (1 + 1) * 512 * 1024].view(512, 1024).sum(dim=0)
+            extern_kernels.mm(reinterpret_tensor(buf4, (8192, 4096), (4096, 1), 0), primals_12, out=buf5)
+            triton_poi_fused_native_layer_norm_backward_10.run(buf12, buf15, 1024, stream=stream0)
+"""
+
+
+def test_a_wrappers_launches_library_calls_and_aten_reductions_are_counted() -> None:
+    graph = count_launches("backward", WRAPPER, tokens=8192, scheduler_bytes=8192 * 100)
+    assert graph.triton_launches == 3
+    assert graph.library_calls == ["extern_kernels.mm",
+                                   "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+                                   "extern_kernels.mm"]
+    assert graph.wrapper_reductions == ["sum [512, 1024]", "sum [512, 1024]"]
+    assert graph.bytes_per_token == 100
+    table = format_lowering([graph], LoweringSettings(inductor={"triton": {"mix_order_reduction": True}}))
+    assert "with triton.mix_order_reduction=True" in table
+    assert "| backward | 3 | 2 x extern_kernels.mm, 1 x torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_" \
+           "backward.default | sum [512, 1024], sum [512, 1024] | 100 |" in table
+
+
+def test_bad_settings_stop_in_one_line() -> None:
+    with pytest.raises(ValueError, match=r"^--inductor.triton.mix_order: not an inductor setting"):
+        lowering_settings("configs/coca_350m.yml", "rope", 16, ["triton.mix_order=false"]).validate()
+    with pytest.raises(ValueError, match=r"^--micro-batch 0: must be >= 1"):
+        lowering_settings("configs/coca_350m.yml", "rope", 0, []).validate()
+
+
+def _nodes_pair() -> bool:
+    return importlib.util.find_spec("triton") is not None and torch.__version__.startswith("2.11.")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _nodes_pair(), reason="needs triton and torch 2.11 (the GPU node's pair)")
+def test_mix_order_reduction_leaves_four_aten_sums_per_block_backward() -> None:
+    """The 350M block at the users' micro batch of 16 (at 2, too few rows for mix-order reduction): with it
+    (inductor's default for CUDA) the backward finishes the two LayerNorms' weight and bias gradients with 4 ATen
+    sums; without it, with none and one Triton launch more. The forward is the same either way."""
+    mixed = lower_block(LoweringSettings(micro_batch=16))
+    plain = lower_block(LoweringSettings(micro_batch=16, inductor={"triton.mix_order_reduction": False}))
+    (forward, backward), (plain_forward, plain_backward) = mixed, plain
+    assert [graph.name for graph in mixed] == ["forward", "backward"]
+    assert forward.wrapper_reductions == [] and forward.library_calls.count("extern_kernels.addmm") == 4
+    assert len(backward.wrapper_reductions) == 4 and plain_backward.wrapper_reductions == []
+    assert backward.library_calls.count("extern_kernels.mm") == 8
+    assert plain_backward.triton_launches == backward.triton_launches + 1
+    assert plain_forward.code == forward.code

@@ -1,0 +1,44 @@
+#!/usr/bin/env python
+"""What inductor generates for CUDA for one compiled block, on a machine without a GPU.
+
+    python tools/inductor_cuda_code.py [--scheme rope] [--micro-batch 16] [--inductor NAME=VALUE ...] [--out DIR]
+
+Prints, for one transformer block's forward and backward (regional compile, bf16, an H200's device answers), the
+Triton kernels its wrapper launches, its library calls (GEMMs, attention), the ATen reductions it runs between
+them, and inductor's bytes per token; --out keeps each generated wrapper. --inductor takes inductor settings as
+train.compile_options does (e.g. triton.mix_order_reduction=false). Needs triton; written against the GPU node's
+torch 2.11 with triton 3.6. The logic lives in megatron_lite/bench/cuda_lowering.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from megatron_lite.bench.cuda_lowering import format_lowering, lower_block, lowering_settings
+from megatron_lite.cli import cli_main, run_cli
+from megatron_lite.model.variants import LABELS
+
+
+@cli_main
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default="configs/coca_350m.yml")
+    parser.add_argument("--scheme", choices=LABELS, default="rope")
+    parser.add_argument("--micro-batch", type=int, default=16)
+    parser.add_argument("--inductor", action="append", default=[], metavar="NAME=VALUE",
+                        help="an inductor setting (torch._inductor.config name), as train.compile_options takes it")
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR", help="write each generated wrapper here")
+    args = parser.parse_args(argv)
+    settings = lowering_settings(args.config, args.scheme, args.micro_batch, args.inductor)
+    graphs = lower_block(settings)
+    print(format_lowering(graphs, settings))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        for graph in graphs:
+            (args.out / f"{settings.scheme}_micro_batch_{settings.micro_batch}_{graph.name}.py").write_text(graph.code)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)
