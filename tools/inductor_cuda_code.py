@@ -6,8 +6,9 @@
 Prints, for one transformer block's forward and backward (regional compile, bf16, an H200's device answers), the
 Triton kernels its wrapper launches, its library calls (GEMMs, attention), the ATen reductions it runs between
 them, and inductor's bytes per token; --out keeps each generated wrapper. --inductor takes inductor settings as
-train.compile_options does (e.g. triton.mix_order_reduction=false). Needs triton; written against the GPU node's
-torch 2.11 with triton 3.6. The logic lives in megatron_lite/bench/cuda_lowering.py.
+train.compile_options does (e.g. triton.mix_order_reduction=false). Needs a CUDA build of torch (pip's default
+wheel, which runs without a GPU) and triton; written against the GPU node's torch 2.11.0+cu130 with triton 3.6. The
+logic lives in megatron_lite/bench/cuda_lowering.py.
 """
 
 from __future__ import annotations

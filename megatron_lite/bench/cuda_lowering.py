@@ -11,8 +11,10 @@ which library calls it makes (cuBLAS GEMMs, attention), and which ATen operators
 LayerNorm backward with an ATen ``sum`` over a float32 workspace).
 
 The CPU pass traces attention as CPU SDPA (one extern call either way; the GPU runs cuDNN's, whose backward is
-three kernels). The device answers are patches of torch and Triton internals: written against torch 2.11 with
-Triton 3.6 (the GPU node's pair); other versions may fail in the lowering, which ends the tool with one line.
+three kernels). It needs a CUDA build of torch (pip's default wheel runs on a machine without a GPU; a CPU
+build fails in inductor's passes on the fake CUDA tensors) and triton. The device answers are patches of torch and
+Triton internals, written against torch 2.11.0+cu130 with Triton 3.6 (the GPU node's pair); other versions may
+fail in the lowering, which ends the tool with one line.
 """
 
 from __future__ import annotations
@@ -215,6 +217,9 @@ def _lower_for_cuda(gm: Any, inputs: list[Any], kwargs: dict[str, Any], settings
 def lower_block(settings: LoweringSettings) -> list[GraphCode]:
     """One block's forward and backward, as inductor would generate them for an H200."""
     settings.validate()
+    if torch.version.cuda is None:  # a CPU build cannot hold even a fake CUDA tensor through inductor's passes
+        raise ValueError(f"inductor's CUDA lowering needs a CUDA build of torch (pip's default wheel, which runs "
+                         f"without a GPU); this one is {torch.__version__}")
     if importlib.util.find_spec("triton") is None:  # the lowering writes Triton kernels
         raise ValueError("inductor's CUDA lowering needs triton (pip install triton; the GPU node's torch 2.11 "
                          "pairs with triton 3.6)")

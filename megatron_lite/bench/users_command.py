@@ -40,9 +40,11 @@ USERS_VARIANTS = {"cudagraphs": "train.cuda_graphs=true", "cpp_wrapper": "train.
                   # inductor's mix-order reduction off: the LayerNorms' weight and bias gradients summed in Triton
                   # kernels instead of 4 ATen sums per block per micro batch (docs/gpu.md)
                   "no_mix_order": "train.compile_options.triton.mix_order_reduction=false",
-                  # and independent kernels launched as one (combo kernels): 41 -> 28 launches per coca_slack block
-                  # and micro batch in inductor's CUDA code (tools/inductor_cuda_code.py)
-                  "fewer_launches": "train.compile_options={combo_kernels: true, triton: {mix_order_reduction: false}}"}
+                  # and independent kernels launched as one (combo kernels, each part with its own block sizes):
+                  # 41 -> 28 launches per coca_slack block and micro batch in inductor's CUDA code
+                  # (tools/inductor_cuda_code.py)
+                  "fewer_launches": "train.compile_options={combo_kernels: true, combo_kernel_per_subkernel_blocks: "
+                                    "true, triton: {mix_order_reduction: false}}"}
 USERS_PROFILED_STEPS = 1  # after the measured steps: 16 micro batches on one GPU, a trace of a few MB
 USERS_PROFILE_ROWS = 80  # operators in its table (the config's 40 stopped above the small kernels)
 SHOWN_COMMAND = f"deepspeed --num_gpus 1 train.py --config {USERS_CONFIG}"
