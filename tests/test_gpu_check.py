@@ -318,6 +318,10 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
     wrapped = users_command.users_arguments(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "run",
                                             tmp_path / "cache", variant="cpp_wrapper")
     assert wrapped[-2:] == ["--set", "train.compile_cpp_wrapper=true"]
+    # a variant's setting shown as a shell would take it (fewer_launches' is a YAML mapping with spaces)
+    (fewer,) = users_command.run_users_command(None, None, None, tmp_path / "shown", False, 60.0, print,
+                                               micro_batch=16, variant="fewer_launches")
+    assert shlex.split(fewer["command"])[-2:] == ["--set", users_command.USERS_VARIANTS["fewer_launches"]]
     # a run the section's budget skips starts nothing, even with CUDA
     over = "skipped: the section passed its 240 s budget"
     (row,) = users_command.run_users_command(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "work", True,

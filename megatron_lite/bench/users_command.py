@@ -228,7 +228,7 @@ def run_users_command(mix: Path | None, tokenizer: Path | None, vocab_size: int 
     ``USERS_VARIANTS`` setting (``..._cudagraphs``, ``..._cpp_wrapper``). ``skipped``: the row's status, nothing
     run (a section past its budget)."""
     shown = (SHOWN_COMMAND + (f" --set {MICRO_BATCH_KEY}={micro_batch}" if micro_batch else "")
-             + (f" --set {USERS_VARIANTS[variant]}" if variant else ""))
+             + (f" --set {shlex.quote(USERS_VARIANTS[variant])}" if variant else ""))
     row: dict[str, Any] = {"command": shown, "steps": iters, "micro_batch": micro_batch or "config",
                            "variant": variant or "-"}
     if skipped is not None or not cuda:
