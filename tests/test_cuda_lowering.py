@@ -10,7 +10,7 @@ import importlib.util
 import pytest
 import torch
 
-from megatron_lite.bench.cuda_lowering import (LoweringSettings, count_launches, format_lowering, lower_block,
+from megatron_lite.bench.cuda_lowering import (LoweringSettings, count_launches, format_lowering, lower_for_cuda,
                                                lowering_settings)
 
 # from the backward of one rope block at micro batch 16 (the wrapper's call, comments and bookkeeping left out)
@@ -31,7 +31,7 @@ WRAPPER = """
 
 
 def test_a_wrappers_launches_library_calls_and_aten_reductions_are_counted() -> None:
-    graph = count_launches("backward", WRAPPER, tokens=8192, scheduler_bytes=8192 * 100)
+    graph = count_launches("block backward", WRAPPER, tokens=8192, scheduler_bytes=8192 * 100)
     assert graph.triton_launches == 3
     assert graph.library_calls == ["extern_kernels.mm",
                                    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
@@ -40,8 +40,8 @@ def test_a_wrappers_launches_library_calls_and_aten_reductions_are_counted() -> 
     assert graph.bytes_per_token == 100
     table = format_lowering([graph], LoweringSettings(inductor={"triton": {"mix_order_reduction": True}}))
     assert "with triton.mix_order_reduction=True" in table
-    assert "| backward | 3 | 2 x extern_kernels.mm, 1 x torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_" \
-           "backward.default | sum [512, 1024], sum [512, 1024] | 100 |" in table
+    assert ("| block backward | 3 | 2 x extern_kernels.mm, 1 x torch.ops.aten._scaled_dot_product_flash_attention_"
+            "for_cpu_backward.default | sum [512, 1024], sum [512, 1024] | 100 |") in table
 
 
 def test_bad_settings_stop_in_one_line() -> None:
@@ -49,6 +49,8 @@ def test_bad_settings_stop_in_one_line() -> None:
         lowering_settings("configs/coca_350m.yml", "rope", 16, ["triton.mix_order=false"]).validate()
     with pytest.raises(ValueError, match=r"^--micro-batch 0: must be >= 1"):
         lowering_settings("configs/coca_350m.yml", "rope", 0, []).validate()
+    with pytest.raises(ValueError, match=r"^--layers 0: must be >= 1"):
+        lowering_settings("configs/coca_350m.yml", "rope", 16, [], "whole", 0).validate()
 
 
 def _a_cuda_build_with_triton() -> bool:
@@ -61,10 +63,10 @@ def test_mix_order_reduction_leaves_four_aten_sums_per_block_backward() -> None:
     """The 350M block at the users' micro batch of 16 (at 2, too few rows for mix-order reduction): with it
     (inductor's default for CUDA) the backward finishes the two LayerNorms' weight and bias gradients with 4 ATen
     sums; without it, with none and one Triton launch more. The forward is the same either way."""
-    mixed = lower_block(LoweringSettings(micro_batch=16))
-    plain = lower_block(LoweringSettings(micro_batch=16, inductor={"triton.mix_order_reduction": False}))
-    (forward, backward), (plain_forward, plain_backward) = mixed, plain
-    assert [graph.name for graph in mixed] == ["forward", "backward"]
+    mixed = lower_for_cuda(LoweringSettings(micro_batch=16))
+    plain = lower_for_cuda(LoweringSettings(micro_batch=16, inductor={"triton.mix_order_reduction": False}))
+    assert [graph.name for graph in mixed] == ["block forward", "block backward", "head forward", "head backward"]
+    (forward, backward, *_), (plain_forward, plain_backward, *_) = mixed, plain
     assert forward.wrapper_reductions == [] and forward.library_calls.count("extern_kernels.addmm") == 4
     assert len(backward.wrapper_reductions) == 4 and plain_backward.wrapper_reductions == []
     assert backward.library_calls.count("extern_kernels.mm") == 8

@@ -1,12 +1,12 @@
-"""What inductor generates for CUDA for one compiled block, on a machine without a GPU: the launches that a GPU's
+"""What inductor generates for CUDA for the compiled regions, on a machine without a GPU: the launches that a GPU's
 host would make per block and micro batch, predicted from the code itself.
 
-Two passes. On CPU, one transformer block is compiled regionally by inductor's own front end (``compile_fx``:
-its decompositions, joint-graph passes and partitioner) with an inner compiler that records the partitioned
-forward and backward graphs and runs them eagerly. Each recorded graph is then lowered by inductor for a CUDA
-device on fake tensors (``compile_fx_inner``), with the few device queries it makes answered as an H200 would
-(SM 9.0, 132 SMs), and its generated wrapper is kept instead of loaded: what it launches (Triton kernels),
-which library calls it makes (cuBLAS GEMMs, attention), and which ATen operators it runs in Python between them
+Two passes. On CPU, one transformer block and the LM head (or the whole model) are compiled by inductor's own front
+end (``compile_fx``: its decompositions, joint-graph passes and partitioner) with an inner compiler that records the
+partitioned forward and backward graphs and runs them eagerly. Each recorded graph is then lowered by inductor for a
+CUDA device on fake tensors (``compile_fx_inner``), with the few device queries it makes answered as an H200 would
+(SM 9.0, 132 SMs), and its generated wrapper is kept instead of loaded: what it launches (Triton kernels), which
+library calls it makes (cuBLAS GEMMs, attention), and which ATen operators it runs in Python between them
 (inductor's mix-order reduction, on by default for CUDA in torch 2.11, finishes each column sum it fuses into a
 LayerNorm backward with an ATen ``sum`` over a float32 workspace).
 
@@ -32,7 +32,7 @@ import torch
 
 from megatron_lite import config as config_lib
 from megatron_lite.model import GPT
-from megatron_lite.model.compile import inductor_settings
+from megatron_lite.model.compile import COMPILE_MODES, inductor_settings
 from megatron_lite.model.variants import variant_named
 
 # The device the lowering is asked for: an H200's SM count decides inductor's split sizes (mix-order reduction's
@@ -54,11 +54,17 @@ class LoweringSettings:
     scheme: str = "rope"
     micro_batch: int = 16
     inductor: dict[str, Any] = field(default_factory=dict)  # train.compile_options' form
+    compile_mode: str = "regional"  # train.compile_mode's values
+    layers: int = 1  # the model's depth for "whole" (regional lowers one block, whatever the depth)
 
     def validate(self) -> None:
         variant_named(self.scheme)
         if self.micro_batch < 1:
             raise ValueError(f"--micro-batch {self.micro_batch}: must be >= 1")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"--compile-mode {self.compile_mode}: must be one of {', '.join(COMPILE_MODES)}")
+        if self.layers < 1:
+            raise ValueError(f"--layers {self.layers}: must be >= 1")
         inductor_settings(self.inductor, where="--inductor")
 
 
@@ -82,25 +88,36 @@ def count_launches(name: str, code: str, tokens: int, scheduler_bytes: int) -> G
                      bytes_per_token=scheduler_bytes / tokens)
 
 
-def _record_block_graphs(settings: LoweringSettings) -> tuple[list[tuple[Any, list[Any], dict[str, Any]]], int]:
-    """The partitioned forward and backward graphs of one regionally compiled block, bf16, as inductor's front
-    end makes them on CPU (one training step of a one-layer model); and the step's token count."""
+Recorded = list[tuple[str, Any, list[Any], dict[str, Any]]]  # (region, graph, example inputs, inner kwargs)
+
+
+def _record_graphs(settings: LoweringSettings) -> tuple[Recorded, int]:
+    """The partitioned forward and backward graphs of each compiled region, bf16, as inductor's front end makes
+    them on CPU in one training step: ``regional``, the first block's and the LM head's (with its fused loss);
+    ``whole``, the model's ``decode`` at ``settings.layers`` layers. And the step's token count."""
     from torch._functorch.aot_autograd import make_boxed_func
     from torch._inductor.compile_fx import compile_fx
 
-    recorded: list[tuple[Any, list[Any], dict[str, Any]]] = []
+    recorded: Recorded = []
 
-    def record(gm: Any, example_inputs: list[Any], **kwargs: Any) -> Any:
-        inputs = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in example_inputs]
-        recorded.append((copy.deepcopy(gm), inputs, dict(kwargs)))
-        return make_boxed_func(gm.forward)  # run eagerly: the CPU's own lowering is not wanted
+    def backend(region: str) -> Any:
+        def record(gm: Any, example_inputs: list[Any], **kwargs: Any) -> Any:
+            inputs = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in example_inputs]
+            recorded.append((region, copy.deepcopy(gm), inputs, dict(kwargs)))
+            return make_boxed_func(gm.forward)  # run eagerly: the CPU's own lowering is not wanted
+        return lambda gm, inputs: compile_fx(gm, inputs, inner_compile=record)
 
     base = config_lib.load(settings.config_path)
-    config = config_lib.with_overrides(base, ["model.num_layers=1", *variant_named(settings.scheme).overrides])
+    layers = settings.layers if settings.compile_mode == "whole" else 1
+    config = config_lib.with_overrides(base, [f"model.num_layers={layers}", *variant_named(settings.scheme).overrides])
     torch.manual_seed(0)
     model = GPT(config.model).to(torch.bfloat16).train()
     torch._dynamo.reset()
-    model.layers[0].compile(backend=lambda gm, inputs: compile_fx(gm, inputs, inner_compile=record))
+    if settings.compile_mode == "whole":  # as compile_model(model, "whole") does
+        model.decode = torch.compile(model.decode, backend=backend("model"))  # type: ignore[method-assign]
+    else:  # as compile_model(model, "regional") does, for one block
+        model.layers[0].compile(backend=backend("block"))
+        model.lm_head.compile(backend=backend("head"))
     ids_BT1 = torch.randint(0, config.model.vocab_size, (settings.micro_batch, config.model.seq_length + 1))
     model(ids_BT1[:, :-1], labels=ids_BT1[:, 1:]).backward()
     torch._dynamo.reset()
@@ -214,8 +231,9 @@ def _lower_for_cuda(gm: Any, inputs: list[Any], kwargs: dict[str, Any], settings
     return captured["code"], captured["bytes"]
 
 
-def lower_block(settings: LoweringSettings) -> list[GraphCode]:
-    """One block's forward and backward, as inductor would generate them for an H200."""
+def lower_for_cuda(settings: LoweringSettings) -> list[GraphCode]:
+    """Each compiled region's forward and backward (``_record_graphs``), as inductor would generate them for an
+    H200: the block's, then the head's."""
     settings.validate()
     if torch.version.cuda is None:  # a CPU build cannot hold even a fake CUDA tensor through inductor's passes
         raise ValueError(f"inductor's CUDA lowering needs a CUDA build of torch (pip's default wheel, which runs "
@@ -224,24 +242,27 @@ def lower_block(settings: LoweringSettings) -> list[GraphCode]:
         raise ValueError("inductor's CUDA lowering needs triton (pip install triton; the GPU node's torch 2.11 "
                          "pairs with triton 3.6)")
     flat = inductor_settings(settings.inductor, where="--inductor")
-    recorded, tokens = _record_block_graphs(settings)
+    recorded, tokens = _record_graphs(settings)
     graphs = []
     with _an_h200_without_a_gpu():
-        for gm, inputs, kwargs in recorded:
-            name = "backward" if kwargs.get("is_backward") else "forward"
+        for region, gm, inputs, kwargs in recorded:
+            name = f"{region} {'backward' if kwargs.get('is_backward') else 'forward'}"
             code, scheduler_bytes = _lower_for_cuda(gm, inputs, kwargs, flat)
             graphs.append(count_launches(name, code, tokens, scheduler_bytes))
-    return graphs
+    return sorted(graphs, key=lambda graph: ("head" in graph.name, "backward" in graph.name))
 
 
 def format_lowering(graphs: list[GraphCode], settings: LoweringSettings) -> str:
     shown = ", ".join(f"{name}={value}" for name, value in inductor_settings(settings.inductor, "--inductor").items())
-    lines = [f"One {settings.scheme} block of {settings.config_path}, micro batch {settings.micro_batch}, bf16, as "
-             f"inductor (torch {torch.__version__}) lowers it for an H200{f' with {shown}' if shown else ''}:", "",
+    what = (f"The whole {settings.layers}-layer {settings.scheme} model" if settings.compile_mode == "whole" else
+            f"One {settings.scheme} block and the LM head")
+    lines = [f"{what} of {settings.config_path}, compiled {settings.compile_mode}, micro batch "
+             f"{settings.micro_batch}, bf16, as inductor (torch {torch.__version__}) lowers it for an H200"
+             f"{f' with {shown}' if shown else ''}:", "",
              "| graph | Triton launches | library calls | ATen reductions in the wrapper | scheduler bytes/token |",
              "|---|---:|---|---|---:|"]
     for graph in graphs:
-        calls = ", ".join(f"{count} x {call}" for call, count in _counted(graph.library_calls))
+        calls = ", ".join(f"{count} x {call}" for call, count in _counted(graph.library_calls)) or "-"
         reductions = ", ".join(graph.wrapper_reductions) or "-"
         lines.append(f"| {graph.name} | {graph.triton_launches} | {calls} | {reductions} | "
                      f"{graph.bytes_per_token:,.0f} |")
@@ -264,7 +285,8 @@ def parse_inductor_assignments(assignments: list[str]) -> dict[str, Any]:
     return settings
 
 
-def lowering_settings(config_path: str, scheme: str, micro_batch: int, assignments: list[str]) -> LoweringSettings:
+def lowering_settings(config_path: str, scheme: str, micro_batch: int, assignments: list[str],
+                      compile_mode: str = "regional", layers: int = 1) -> LoweringSettings:
     return LoweringSettings(config_path=config_path, scheme=scheme, micro_batch=micro_batch,
-                            inductor=parse_inductor_assignments(assignments))
+                            inductor=parse_inductor_assignments(assignments), compile_mode=compile_mode, layers=layers)
 
