@@ -24,6 +24,7 @@ import copy
 import importlib.util
 import re
 import types
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,7 +71,7 @@ class LoweringSettings:
 
 @dataclass
 class GraphCode:
-    """One generated CUDA wrapper (a block's forward or backward) and what it launches."""
+    """One generated CUDA wrapper (a region's forward or backward) and what it launches."""
 
     name: str
     code: str
@@ -262,18 +263,11 @@ def format_lowering(graphs: list[GraphCode], settings: LoweringSettings) -> str:
              "| graph | Triton launches | library calls | ATen reductions in the wrapper | scheduler bytes/token |",
              "|---|---:|---|---|---:|"]
     for graph in graphs:
-        calls = ", ".join(f"{count} x {call}" for call, count in _counted(graph.library_calls)) or "-"
+        calls = ", ".join(f"{count} x {call}" for call, count in Counter(graph.library_calls).items()) or "-"
         reductions = ", ".join(graph.wrapper_reductions) or "-"
         lines.append(f"| {graph.name} | {graph.triton_launches} | {calls} | {reductions} | "
                      f"{graph.bytes_per_token:,.0f} |")
     return "\n".join(lines)
-
-
-def _counted(names: list[str]) -> list[tuple[str, int]]:
-    counts: dict[str, int] = {}
-    for name in names:
-        counts[name] = counts.get(name, 0) + 1
-    return list(counts.items())
 
 
 def parse_inductor_assignments(assignments: list[str]) -> dict[str, Any]:
