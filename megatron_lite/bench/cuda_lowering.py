@@ -33,7 +33,7 @@ import torch
 
 from megatron_lite import config as config_lib
 from megatron_lite.model import GPT
-from megatron_lite.model.compile import COMPILE_MODES, inductor_settings
+from megatron_lite.model.compile import COMPILE_MODES, compile_model, inductor_settings
 from megatron_lite.model.variants import variant_named
 
 # The device the lowering is asked for: an H200's SM count decides inductor's split sizes (mix-order reduction's
@@ -100,13 +100,18 @@ def _record_graphs(settings: LoweringSettings) -> tuple[Recorded, int]:
     from torch._inductor.compile_fx import compile_fx
 
     recorded: Recorded = []
+    # compile_model gives every region one backend; dynamo calls it once per region, in the order the forward
+    # reaches them (regional: the block, then the head), and the inner compiler once per forward and backward
+    regions = iter(["model"] if settings.compile_mode == "whole" else ["block", "head"])
 
-    def backend(region: str) -> Any:
-        def record(gm: Any, example_inputs: list[Any], **kwargs: Any) -> Any:
-            inputs = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in example_inputs]
-            recorded.append((region, copy.deepcopy(gm), inputs, dict(kwargs)))
-            return make_boxed_func(gm.forward)  # run eagerly: the CPU's own lowering is not wanted
-        return lambda gm, inputs: compile_fx(gm, inputs, inner_compile=record)
+    def backend(gm: Any, example_inputs: list[Any]) -> Any:
+        region = next(regions)
+
+        def record(graph: Any, inputs: list[Any], **kwargs: Any) -> Any:
+            kept = [t.detach().clone() if isinstance(t, torch.Tensor) else t for t in inputs]
+            recorded.append((region, copy.deepcopy(graph), kept, dict(kwargs)))
+            return make_boxed_func(graph.forward)  # run eagerly: the CPU's own lowering is not wanted
+        return compile_fx(gm, example_inputs, inner_compile=record)
 
     base = config_lib.load(settings.config_path)
     layers = settings.layers if settings.compile_mode == "whole" else 1
@@ -114,11 +119,7 @@ def _record_graphs(settings: LoweringSettings) -> tuple[Recorded, int]:
     torch.manual_seed(0)
     model = GPT(config.model).to(torch.bfloat16).train()
     torch._dynamo.reset()
-    if settings.compile_mode == "whole":  # as compile_model(model, "whole") does
-        model.decode = torch.compile(model.decode, backend=backend("model"))  # type: ignore[method-assign]
-    else:  # as compile_model(model, "regional") does, for one block
-        model.layers[0].compile(backend=backend("block"))
-        model.lm_head.compile(backend=backend("head"))
+    compile_model(model, settings.compile_mode, backend=backend)  # type: ignore[arg-type]
     ids_BT1 = torch.randint(0, config.model.vocab_size, (settings.micro_batch, config.model.seq_length + 1))
     model(ids_BT1[:, :-1], labels=ids_BT1[:, 1:]).backward()
     torch._dynamo.reset()

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepared 2026-11-28 (ninth session, no GPU; the eleventh moved the micro-batch-32 run to call B, as three users'
-# runs of ~80 s each did not fit beside the rest) for the next session lent a GPU: issue 35's remaining figures. From the repository root, with .gpu/ holding whl/ (tools/fetch_wheels.py) and bundle30m.tar.xz (+ .sha256):
+# runs of ~80 s each did not fit beside the rest) for the next session lent a GPU: issue 35's remaining figures.
+# From the repository root, with .gpu/ holding whl/ (tools/fetch_wheels.py) and bundle30m.tar.xz (+ .sha256):
 #   cp docs/gpu_runs/next/call_*.sh .gpu/   (after building .gpu/whl and .gpu/bundle30m.tar.xz: docs/gpu.md,
 #                                             "What the next GPU run should show")
 #   run: bash .gpu/call_a.sh "$OUT" 480     (device tool: carry [".gpu"], timeout_s 510; leaves call B and the start
