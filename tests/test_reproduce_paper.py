@@ -6,6 +6,7 @@ model interrupted after a checkpoint that the rerun resumes, and a SIGTERM that 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shlex
 import shutil
@@ -19,7 +20,8 @@ import pytest
 
 from megatron_lite import config as config_lib
 from megatron_lite import results_board
-from megatron_lite.repro.paper import MfuEstimate, budget_mfu, budget_text, parse_tokens, plan_budget, world_size
+from megatron_lite.repro.paper import (MfuEstimate, budget_mfu, budget_text, hostfile_slots, parse_tokens, plan_budget,
+                                       world_size)
 from megatron_lite.repro.run_length import MEASURED
 from megatron_lite.repro.settings import absolute, load_scheme_configs
 from megatron_lite.repro.training import train_command
@@ -182,6 +184,25 @@ def test_user_errors_are_one_line(argv: list[str], message: str, tmp_path: Path,
     assert reproduce.main([*base, *argv]) == 2
     error = capsys.readouterr().err.strip()
     assert message in error and len(error.splitlines()) == 1, error
+
+
+def test_a_bad_hostfile_is_said_once_not_also_by_deepspeeds_logger(tmp_path: Path) -> None:
+    """DeepSpeed's parser logs the whole file at ERROR before it raises; the user gets the one line only."""
+    from deepspeed.utils import logger
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=eight\n")
+    level = logger.level
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(ValueError, match="--hostfile .*: Hostfile contains a bad entry: node0 slots=eight"):
+            hostfile_slots(hostfile)
+    finally:
+        logger.removeHandler(handler)
+    assert records == [] and logger.level == level
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without GPUs")

@@ -226,3 +226,4 @@ def test_many_tasks_without_a_launcher_are_refused_in_one_line(monkeypatch: pyte
     monkeypatch.setenv(variable, "1")  # one task (e.g. `srun -n 1`, or python inside an allocation): runs alone
     single_process_env()
     assert os.environ["WORLD_SIZE"] == "1"
+    assert os.environ["MASTER_PORT"] == "0"  # the lone rank's store binds a port of the OS's choice: nothing to race

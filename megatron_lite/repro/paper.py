@@ -17,6 +17,7 @@ else the project's own measurement (``run_length.MEASURED``), said which.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,11 +66,16 @@ def paper_tokens(config: Config) -> int:
 def hostfile_slots(hostfile: Path) -> int:
     """The GPU slots a DeepSpeed hostfile names, read by DeepSpeed's own parser."""
     from deepspeed.launcher.runner import fetch_hostfile
+    from deepspeed.utils import logger
 
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)  # it logs the whole file before raising: the error below says it in one line
     try:
         resources = fetch_hostfile(str(hostfile))
     except ValueError as error:
         raise ValueError(f"--hostfile {hostfile}: {error}") from None
+    finally:
+        logger.setLevel(level)
     if not resources:
         raise ValueError(f"--hostfile {hostfile}: names no host (lines 'HOST slots=N')")
     return sum(resources.values())

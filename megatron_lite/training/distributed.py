@@ -57,7 +57,9 @@ def single_process_env() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    # Port 0: the lone rank's store binds whatever port the OS gives it then. A port probed free beforehand can be
+    # taken by another process before the bind (EADDRINUSE when runs start side by side); no other rank connects.
+    os.environ.setdefault("MASTER_PORT", "0")
 
 
 # Set in each task by a scheduler or MPI that started many copies of train.py without a torch launcher.
