@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -23,6 +22,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from megatron_lite.training.distributed import free_port
 
 # The worker saves with DeepSpeed directly, not through train.py: its step dirs have no MANIFEST.json.
 pytestmark = [pytest.mark.filterwarnings("ignore:.*no MANIFEST.json:UserWarning"), pytest.mark.slow]
@@ -112,12 +113,6 @@ def worker(root: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # Test
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,14 @@ import copy
 import json
 import os
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+from megatron_lite.training.distributed import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -163,12 +164,6 @@ def worker(out: Path) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # Test
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

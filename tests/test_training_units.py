@@ -227,3 +227,22 @@ def test_many_tasks_without_a_launcher_are_refused_in_one_line(monkeypatch: pyte
     single_process_env()
     assert os.environ["WORLD_SIZE"] == "1"
     assert os.environ["MASTER_PORT"] == "0"  # the lone rank's store binds a port of the OS's choice: nothing to race
+
+
+def test_a_rendezvous_port_is_picked_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    """Outgoing connections (other jobs' gloo/NCCL links) take ephemeral ports between the pick and the ranks'
+    bind; a port below the range is safe from them. Without room below it, any free port."""
+    import socket
+
+    from megatron_lite.training import distributed
+
+    port_range = tmp_path / "ip_local_port_range"
+    port_range.write_text("40000\t60999\n")
+    monkeypatch.setattr(distributed, "EPHEMERAL_PORTS", port_range)
+    ports = {distributed.free_port() for _ in range(8)}
+    assert all(28_000 <= port < 40_000 for port in ports) and len(ports) > 1, ports
+    with socket.socket() as listener:
+        listener.bind(("", ports.pop()))  # free when picked
+    port_range.write_text("2000\t60999\n")
+    assert 0 < distributed.free_port() < 65536

@@ -16,6 +16,7 @@ import yaml
 
 from megatron_lite import checkpoint_dirs
 from megatron_lite.checkpoint_integrity import safe_load
+from megatron_lite.training.distributed import free_port
 from megatron_lite.weights import load_step_state_dict
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,14 +82,6 @@ def train_command(config: Path, run_dir: Path, *extra: str, ranks: int = 1) -> l
     deepspeed = Path(sys.executable).with_name("deepspeed")
     launcher = [str(deepspeed)] if deepspeed.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
     return [*launcher, "--num_gpus", str(ranks), "--master_port", str(free_port()), *args]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def run_train(config: Path, run_dir: Path, *extra: str, ranks: int = 1, timeout: float = 600,

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,11 +41,36 @@ class DistributedInfo:
         return self.rank % self.sequence_parallel_size
 
 
+EPHEMERAL_PORTS = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
 def free_port() -> int:
-    """A TCP port free on this host now (the OS picks it), for a rendezvous of ranks started here."""
-    with socket.socket() as probe:
+    """A TCP port free on this host now, for a rendezvous of ranks started here, picked below the OS's ephemeral
+    range: the port is bound seconds later, when the ranks are up, and meanwhile any outgoing connection (the gloo
+    or NCCL links among other jobs' ranks make hundreds) may be given an ephemeral port, which a port the OS picked
+    for ``bind(0)`` is. Below that range only another listener can take it."""
+    first_ephemeral = 32768  # Linux's default lower bound
+    try:
+        first_ephemeral = int(EPHEMERAL_PORTS.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    if first_ephemeral > 10_000:
+        candidates = range(max(1024, first_ephemeral - 12_000), first_ephemeral)
+        for port in random.Random().sample(candidates, k=min(64, len(candidates))):
+            if _bindable(port):
+                return port
+    with socket.socket() as probe:  # no room below the range, or all taken: any port the OS gives
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+        except OSError:
+            return False
+    return True
 
 
 def single_process_env() -> None:
