@@ -123,6 +123,51 @@ def test_regional_compile_with_the_cpp_wrapper_launches_from_cpp_and_equals_eage
     assert_same_loss_and_gradients(got, expected, 1e-5)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_blocks_grouped_into_regions_compile_once_and_equal_eager(checkpointing: bool) -> None:
+    """train.compile_blocks_per_region: 4 blocks in groups of 2 are two calls of one compiled graph (plus the
+    head's), the step gives eager's loss and gradients, the state-dict keys stay, and a KV-cache forward
+    (generation) runs the blocks one by one as before."""
+    from megatron_lite.model.compile import compile_model
+
+    torch._dynamo.reset()
+    model = GPT(tiny_config("coca", "slack", num_layers=4, checkpoint_activations=checkpointing).model).train()
+    keys = list(model.state_dict())
+    ids, labels = sample_batch()
+
+    def forward(ids_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        return model(ids_BT, labels=labels_BT)
+
+    expected = loss_and_gradients(model, forward, ids, labels)
+    model.eval()
+    cache = model.new_cache(32)
+    expected_logits = model(ids[:, :8], cache=cache), model(ids[:, 8:9], cache=cache)
+    model.train()
+    graphs: list[torch.fx.GraphModule] = []
+
+    def counting_backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]):
+        graphs.append(graph)
+        return torch._dynamo.backends.debugging.aot_eager(graph, inputs)
+
+    compile_model(model, "regional", backend=counting_backend, blocks_per_region=2)
+    assert_same_loss_and_gradients(loss_and_gradients(model, forward, ids, labels), expected, 1e-5)
+    assert len(graphs) == 2  # the group (called twice) and the head
+    assert list(model.state_dict()) == keys
+    model.eval()
+    cache = model.new_cache(32)
+    for got, want in zip((model(ids[:, :8], cache=cache), model(ids[:, 8:9], cache=cache)), expected_logits):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_blocks_grouped_into_regions_are_refused_where_they_cannot_be() -> None:
+    from megatron_lite.model.compile import compile_model
+
+    with pytest.raises(ValueError, match="blocks_per_region=3: must divide the 2 layers"):
+        compile_model(GPT(tiny_config("rope").model), "regional", backend="eager", blocks_per_region=3)
+    with pytest.raises(ValueError, match="blocks_per_region=2: only for compile mode 'regional', not 'whole'"):
+        compile_model(GPT(tiny_config("rope").model), "whole", backend="eager", blocks_per_region=2)
+
+
 def test_compile_in_place_keeps_state_dict_keys() -> None:
     model = GPT(tiny_config("rope").model)
     keys = list(model.state_dict())

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import sys
 import typing
 import warnings
@@ -115,10 +116,12 @@ def test_cuda_graphs_on_a_cuda_device_only(monkeypatch: pytest.MonkeyPatch) -> N
     without train.compile, which otherwise reach compile_model."""
     asked: list[tuple[bool, bool]] = []
     settings: list[dict] = []
+    groups: list[int] = []
 
-    def compile_model(model, mode, cuda_graphs, cpp_wrapper, inductor) -> None:
+    def compile_model(model, mode, cuda_graphs, cpp_wrapper, inductor, blocks_per_region) -> None:
         asked.append((cuda_graphs, cpp_wrapper))
         settings.append(inductor)
+        groups.append(blocks_per_region)
     monkeypatch.setattr(engine_lib, "compile_model", compile_model)
     config = with_train(compile=True, cuda_graphs=True)
     cuda_rank = dataclasses.replace(CPU, device=CUDA)
@@ -145,6 +148,24 @@ def test_cuda_graphs_on_a_cuda_device_only(monkeypatch: pytest.MonkeyPatch) -> N
                                             CPU) == (False, False)
     with pytest.raises(ValueError, match=r"^train.cuda_graphs=true: not with train.sequence_parallel_size=2 "):
         with_train(cuda_graphs=True, sequence_parallel_size=2)
+    grouped = with_train(compile=True, compile_blocks_per_region=2)
+    assert engine_lib._compile_in_place(GPT(tiny_config().model), grouped, CPU) == (True, False)
+    assert groups == [1] * 5 + [2]
+    with pytest.warns(UserWarning, match=r"train.compile_blocks_per_region: block groups are the regions of compiled "
+                                         r"graphs, and this run trains eagerly \(train.compile=null on cpu\)"):
+        assert engine_lib._compile_in_place(GPT(tiny_config().model), with_train(compile_blocks_per_region=2),
+                                            CPU) == (False, False)
+
+
+@pytest.mark.parametrize(("train", "message"), [
+    ({"compile_blocks_per_region": 3}, "train.compile_blocks_per_region=3: must divide model.num_layers=2"),
+    ({"compile_blocks_per_region": 0}, "train.compile_blocks_per_region=0: must divide model.num_layers=2"),
+    ({"compile_blocks_per_region": 2, "compile_mode": "whole"},
+     "train.compile_blocks_per_region=2: groups regionally compiled blocks, not with train.compile_mode=whole"),
+])
+def test_block_groups_that_cannot_be_are_refused_in_one_line(train: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        with_train(**train)
 
 
 def test_cuda_graphs_with_accumulation_only_where_each_micro_batchs_gradients_leave_the_graphs() -> None:

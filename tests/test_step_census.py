@@ -161,6 +161,18 @@ def test_compile_time_worker_at_toy_size() -> None:
             "saves host time); its first step 1.50x regional's") in format_compile_time(result)
     with pytest.raises(ValueError, match="^compile-time mode regional-cpp-wrapper: the C\\+\\+ wrapper is inductor's"):
         measure_in_process(settings, "regional-cpp-wrapper")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # the process's counts so far
+    try:
+        grouped = measure_in_process(settings, "regional-blocks-2")  # both blocks one region: one graph, and the head's
+    finally:
+        torch._dynamo.reset()
+    assert grouped["dynamo"]["unique_graphs"] == 2 and grouped["forward_backward_ms"] > 0
+    result["rows"].append({**summary, "mode": "regional-blocks-2"})
+    result["ratios"].update({"forward_backward_regional_over_regional-blocks-2": 1.26,
+                             "first_step_regional-blocks-2_over_regional": 1.3})
+    assert ("forward + backward regional / regional-blocks-2: 1.26x (> 1: fewer region calls save host time); its "
+            "first step 1.30x regional's") in format_compile_time(result)
 
 
 @pytest.mark.slow

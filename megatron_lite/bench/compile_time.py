@@ -33,6 +33,15 @@ REPO = Path(__file__).resolve().parents[2]
 CPP_WRAPPER_SUFFIX = "-cpp-wrapper"
 MODES = ("eager", "whole", "regional", "regional" + CPP_WRAPPER_SUFFIX)
 DEFAULT_MODES = MODES[:3]
+# regional-blocks-K: K consecutive blocks per compiled region (train.compile_blocks_per_region); against regional,
+# what fewer region calls save the host per step and what the larger graph costs the first step
+GROUPED_PREFIX = "regional-blocks-"
+
+
+def blocks_per_region(mode: str) -> int | None:
+    """K of a ``regional-blocks-K`` mode (K >= 2), else None."""
+    count = mode.removeprefix(GROUPED_PREFIX)
+    return int(count) if mode.startswith(GROUPED_PREFIX) and count.isdigit() and int(count) >= 2 else None
 RESULT_MARK = "COMPILE_TIME_RESULT "
 FIRST_STEP_TARGET = 3.0  # whole / regional first-step time (issue 35, item 4)
 
@@ -73,6 +82,10 @@ def _compile(model: Any, mode: str, backend: str) -> None:
 
     from megatron_lite.model.compile import compile_model
 
+    grouped = blocks_per_region(mode)
+    if grouped is not None:
+        compile_model(model, "regional", backend=backend, blocks_per_region=grouped)
+        return
     if backend == "inductor":
         base = mode.removesuffix(CPP_WRAPPER_SUFFIX)
         compile_model(model, base, cpp_wrapper=base != mode)  # type: ignore[arg-type]
@@ -190,9 +203,14 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def run_compile_time(settings: CompileTimeSettings, progress: Callable[[str], None] = print) -> dict[str, Any]:
     """Every mode of ``settings.modes`` in fresh processes (``repeats`` each, interleaved); per mode the medians,
     and the whole/regional ratios where both ran."""
-    unknown = [mode for mode in settings.modes if mode not in MODES]
+    unknown = [mode for mode in settings.modes if mode not in MODES and blocks_per_region(mode) is None]
     if unknown or not settings.modes:
-        raise ValueError(f"compile-time modes {settings.modes}: expected some of {', '.join(MODES)}")
+        raise ValueError(f"compile-time modes {settings.modes}: expected some of {', '.join(MODES)}, "
+                         f"{GROUPED_PREFIX}K (K >= 2)")
+    for mode in settings.modes:
+        grouped = blocks_per_region(mode)
+        if grouped is not None and settings.layers % grouped:
+            raise ValueError(f"compile-time mode {mode}: {grouped} must divide the {settings.layers} layers")
     if settings.repeats < 1 or settings.steps < 1:
         raise ValueError(f"compile time: repeats {settings.repeats} and steps {settings.steps} must be >= 1")
     settings.overrides()  # an unknown scheme stops here
@@ -219,6 +237,12 @@ def run_compile_time(settings: CompileTimeSettings, progress: Callable[[str], No
         ratios["forward_backward_regional_over_cpp_wrapper"] = (by_mode["regional"]["forward_backward_ms"]
                                                                 / by_mode[wrapped]["forward_backward_ms"])
         ratios["first_step_cpp_wrapper_over_regional"] = (by_mode[wrapped]["first_step_s"]
+                                                          / by_mode["regional"]["first_step_s"])
+    for mode in by_mode:
+        if blocks_per_region(mode) is not None and "regional" in by_mode:
+            ratios[f"forward_backward_regional_over_{mode}"] = (by_mode["regional"]["forward_backward_ms"]
+                                                                / by_mode[mode]["forward_backward_ms"])
+            ratios[f"first_step_{mode}_over_regional"] = (by_mode[mode]["first_step_s"]
                                                           / by_mode["regional"]["first_step_s"])
     if "eager" in by_mode:
         for mode in ("whole", "regional"):
@@ -258,6 +282,12 @@ def format_compile_time(result: dict[str, Any]) -> str:
                      f"{ratios['step_regional_over_cpp_wrapper']:.2f}x, forward + backward "
                      f"{ratios['forward_backward_regional_over_cpp_wrapper']:.2f}x (> 1: the C++ wrapper saves host "
                      f"time); its first step {ratios['first_step_cpp_wrapper_over_regional']:.2f}x regional's")
+    for row in rows:
+        mode = row["mode"]
+        if f"forward_backward_regional_over_{mode}" in ratios:
+            lines.append(f"forward + backward regional / {mode}: {ratios[f'forward_backward_regional_over_{mode}']:.2f}x "
+                         f"(> 1: fewer region calls save host time); its first step "
+                         f"{ratios[f'first_step_{mode}_over_regional']:.2f}x regional's")
     for mode in ("whole", "regional"):
         if f"step_eager_over_{mode}" in ratios:
             lines.append(f"eager step / {mode} step: {ratios[f'step_eager_over_{mode}']:.2f}x")

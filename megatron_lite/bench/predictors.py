@@ -17,8 +17,8 @@ from megatron_lite.bench.compiled_bytes import (
     format_compiled_bytes,
     run_compiled_bytes,
 )
-from megatron_lite.bench.compile_time import (DEFAULT_MODES, MODES, CompileTimeSettings, format_compile_time,
-                                              run_compile_time)
+from megatron_lite.bench.compile_time import (DEFAULT_MODES, GROUPED_PREFIX, MODES, CompileTimeSettings,
+                                              blocks_per_region, format_compile_time, run_compile_time)
 from megatron_lite.bench.grad_sums import GradSumsSettings, format_grad_sums, run_grad_sums
 
 LOSS_GEMMS = ("mixed", "input_dtype", "fp32")
@@ -75,7 +75,7 @@ def add_predictor_arguments(parser: argparse.ArgumentParser) -> None:
     compile_time.add_argument("--compile-modes", default=",".join(DEFAULT_MODES),
                               help="eager (reference), whole, regional, regional-cpp-wrapper (inductor's C++ "
                                    "wrapper; at --compile-hidden 16 --compile-seq-length 8 --compile-batch-size 1 the "
-                                   "step is the host's floor)")
+                                   "step is the host's floor), regional-blocks-K (K blocks per compiled region)")
     compile_time.add_argument("--compile-repeats", type=int, default=defaults.repeats,
                               help="fresh processes per mode, interleaved (medians reported)")
     compile_time.add_argument("--compile-threads", type=int, default=defaults.threads,
@@ -116,8 +116,16 @@ def compile_time_settings(args: argparse.Namespace) -> CompileTimeSettings:
                                seq_length=args.compile_seq_length, vocab=args.compile_vocab,
                                batch_size=args.compile_batch_size, scheme=args.compile_scheme,
                                backend=args.compile_backend, steps=args.compile_steps,
-                               modes=_names(args.compile_modes, MODES, "--compile-modes"),
+                               modes=_compile_modes(args.compile_modes),
                                repeats=args.compile_repeats, threads=args.compile_threads)
+
+
+def _compile_modes(value: str) -> list[str]:
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if not names or any(name not in MODES and blocks_per_region(name) is None for name in names):
+        raise ValueError(f"--compile-modes {value!r}: expected a comma-separated list of {', '.join(MODES)}, "
+                         f"{GROUPED_PREFIX}K (K >= 2)")
+    return names
 
 
 def compiled_bytes_settings(args: argparse.Namespace) -> CompiledBytesSettings:

@@ -44,7 +44,10 @@ USERS_VARIANTS = {"cudagraphs": "train.cuda_graphs=true", "cpp_wrapper": "train.
                   # 41 -> 28 launches per coca_slack block and micro batch in inductor's CUDA code
                   # (tools/inductor_cuda_code.py)
                   "fewer_launches": "train.compile_options={combo_kernels: true, combo_kernel_per_subkernel_blocks: "
-                                    "true, triton: {mix_order_reduction: false}}"}
+                                    "true, triton: {mix_order_reduction: false}}",
+                  # 4 blocks per compiled region: 50 -> 14 region calls per micro batch (their guards and wrappers
+                  # on the host), a first compile ~1.3x longer (tools/bench_train.py --compile-time)
+                  "blocks_of_4": "train.compile_blocks_per_region=4"}
 USERS_PROFILED_STEPS = 1  # after the measured steps: 16 micro batches on one GPU, a trace of a few MB
 USERS_PROFILE_ROWS = 80  # operators in its table (the config's 40 stopped above the small kernels)
 SHOWN_COMMAND = f"deepspeed --num_gpus 1 train.py --config {USERS_CONFIG}"

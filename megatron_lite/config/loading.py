@@ -177,6 +177,12 @@ def _validate_train(config: Config) -> None:
     _require(not (train.cuda_graphs and train.sequence_parallel_size > 1),
              f"train.cuda_graphs=true: not with train.sequence_parallel_size={train.sequence_parallel_size} (the "
              "all-to-all around each block's attention has not been tried inside CUDA graphs)")
+    blocks, layers = train.compile_blocks_per_region, config.model.num_layers
+    _require(blocks >= 1 and layers % blocks == 0,
+             f"train.compile_blocks_per_region={blocks}: must divide model.num_layers={layers}")
+    _require(blocks == 1 or train.compile_mode == "regional",
+             f"train.compile_blocks_per_region={blocks}: groups regionally compiled blocks, not with "
+             f"train.compile_mode={train.compile_mode}")
     _validate_sequence_parallel(config)
     _validate_extrapolation_eval(config)
     _validate_profile(config)

@@ -451,6 +451,13 @@ class TrainConfig:
         "time does not grow with the depth) | whole (embedding, blocks and head as one graph, the rotary tables "
         "built outside it: fuses across blocks, at a compile time that grows with the number of layers).",
         default="regional")
+    compile_blocks_per_region: int = _doc(
+        "Regional compile: this many consecutive transformer blocks compiled as one region (one graph, compiled "
+        "once, for every group): fewer region calls per step, each of which costs the host its guards and "
+        "wrappers, and fusion across the blocks of a group, for a first-step compile that grows with the group "
+        "(on a CPU at the host's floor, 24 blocks in groups of 4: forward and backward 1.26x faster, first step "
+        "1.26x longer; docs/benchmarks.md). Must divide model.num_layers; 1: each block its own region. Needs "
+        "train.compile_mode=regional. 1 until a GPU measurement says more helps (docs/gpu.md).", default=1)
     cuda_graphs: bool = _doc(
         "CUDA graphs for the compiled graphs (torch.compile's mode=\"reduce-overhead\", inductor's CUDA graph "
         "trees): each compiled region's kernels replay from one launch, for steps whose GPU waits on the host "

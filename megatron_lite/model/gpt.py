@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +131,9 @@ class GPT(nn.Module):
                                             else nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon))
         self.lm_head = LMHead(config.hidden_size, config.padded_vocab_size)
         self.sequence_parallel: SequenceParallel | None = None  # enable_sequence_parallel
+        # compile_model's regional mode with blocks_per_region > 1: consecutive blocks run as one compiled region
+        self.block_group_runner: Callable[..., torch.Tensor] | None = None
+        self.blocks_per_region = 1
         if not config.no_weight_tying:
             self.lm_head.weight = self.embed_in.weight
         self.reset_parameters()
@@ -230,6 +234,16 @@ class GPT(nn.Module):
         if position_embedding is not None:
             x_BTC = x_BTC + position_embedding.to(x_BTC.dtype)
         recompute = self.config.checkpoint_activations and self.training and cache is None
+        runner = self.block_group_runner
+        if runner is not None and cache is None:  # a KV cache (generation) runs block by block, eagerly
+            size = self.blocks_per_region
+            for start in range(0, len(self.layers), size):
+                group = tuple(self.layers[start:start + size])  # any group of blocks: one graph for all
+                if recompute:
+                    x_BTC = checkpoint(runner, group, x_BTC, self.position, ctx, use_reentrant=False)
+                else:
+                    x_BTC = runner(group, x_BTC, self.position, ctx)
+            return self.lm_head(self.final_layer_norm(x_BTC[:, logits_from:]), labels)
         for index, layer in enumerate(self.layers):
             layer_cache = cache.layers[index] if cache is not None else None
             if recompute:
@@ -237,6 +251,16 @@ class GPT(nn.Module):
             else:
                 x_BTC = layer(x_BTC, self.position, ctx, layer_cache)
         return self.lm_head(self.final_layer_norm(x_BTC[:, logits_from:]), labels)
+
+
+def run_block_group(blocks: tuple[nn.Module, ...], x_BTC: torch.Tensor, position: PositionScheme,
+                    ctx: PositionContext) -> torch.Tensor:
+    """Consecutive blocks, (B, T, C) -> (B, T, C): the region ``compile_model`` compiles when it groups blocks.
+    Every group calls this one function with blocks of one class, so dynamo compiles it once for them all (the
+    blocks' parameters are inputs of the graph, not constants)."""
+    for block in blocks:
+        x_BTC = block(x_BTC, position, ctx, None)
+    return x_BTC
 
 
 def language_model_loss(logits_BTV: torch.Tensor, labels_BT: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

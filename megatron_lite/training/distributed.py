@@ -56,6 +56,7 @@ def free_port() -> int:
         pass
     if first_ephemeral > 10_000:
         candidates = range(max(1024, first_ephemeral - 12_000), first_ephemeral)
+        # its own generator, seeded from the OS: jobs whose global RNG is seeded alike must not pick alike
         for port in random.Random().sample(candidates, k=min(64, len(candidates))):
             if _bindable(port):
                 return port

@@ -216,9 +216,13 @@ def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: Distrib
     and eager runs. Returns (compiled, with CUDA graphs)."""
     if not use_compile(config, dist_info.device):
         setting = {None: "null", True: "true", False: "false"}[config.train.compile]
-        for key, what in (("cuda_graphs", "CUDA graphs replay"), ("compile_cpp_wrapper", "the C++ wrapper launches"),
-                          ("compile_options", "inductor's settings shape")):
-            if getattr(config.train, key) and dist_info.is_main:
+        train = config.train
+        for key, is_set, what in (("cuda_graphs", train.cuda_graphs, "CUDA graphs replay"),
+                                  ("compile_cpp_wrapper", train.compile_cpp_wrapper, "the C++ wrapper launches"),
+                                  ("compile_options", bool(train.compile_options), "inductor's settings shape"),
+                                  ("compile_blocks_per_region", train.compile_blocks_per_region != 1,
+                                   "block groups are the regions of")):
+            if is_set and dist_info.is_main:
                 notice(f"train.{key}: {what} compiled graphs, and this run trains eagerly "
                        f"(train.compile={setting} on {dist_info.device.type}); the setting is ignored")
         return False, False
@@ -232,5 +236,6 @@ def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: Distrib
         notice(f"train.cuda_graphs: CUDA graphs need a CUDA device, this run's is {dist_info.device.type}; "
                "compiled without them")
     compile_model(model, config.train.compile_mode, cuda_graphs=cuda_graphs,
-                  cpp_wrapper=config.train.compile_cpp_wrapper, inductor=config.train.compile_options)
+                  cpp_wrapper=config.train.compile_cpp_wrapper, inductor=config.train.compile_options,
+                  blocks_per_region=config.train.compile_blocks_per_region)
     return True, cuda_graphs

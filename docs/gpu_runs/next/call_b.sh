@@ -4,8 +4,9 @@
 #   1. the users' command at micro batch 16 with inductor's combo kernels and without its mix-order reduction
 #      (USERS_VARIANTS' fewer_launches, added 2026-11-28 in the thirteenth session: 41 -> 28 launches per block and
 #      micro batch), at 16 with train.compile_cpp_wrapper=true (gpu_check's --users-cpp-wrapper 16 row), then at
-#      micro batch 32 (its --users-micro-batch 32 row), run alone: call A ran the plain and the CUDA graphs rows at
-#      16 -> users_b.json (the rows), each run's log, metrics and profiled step
+#      micro batch 32 (its --users-micro-batch 32 row), then at 16 with 4 blocks per compiled region (blocks_of_4,
+#      added 2026-11-28 in the fourteenth session: 50 -> 14 region calls per micro batch), run alone: call A ran the
+#      plain and the CUDA graphs rows at 16 -> users_b.json (the rows), each run's log, metrics and profiled step
 #   2. the speedrun's throughput probe (30 steps each of rope and coca_slack, 41.6M, ZeRO 1) with
 #      train.cuda_graphs true, then false -> probe_{true,false}.txt / .json
 # Everything but the traces is re-packed into OUT/results.tar.xz after each stage and each trace copied to OUT, so
@@ -50,6 +51,7 @@ PY
 users_run 16 fewer_launches
 users_run 16 cpp_wrapper
 users_run 32
+users_run 16 blocks_of_4
 [ "${CALL_B_PROBES:-1}" = 1 ] || { ls -la "$OUT"; exit 0; }  # 0: no speedrun probes (a dry run)
 for graphs in true false; do
   timeout 100 python3 tools/reproduce.py --profile gpu-speedrun --bundle .gpu/bundle30m.tar.xz \
