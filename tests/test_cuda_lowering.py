@@ -51,6 +51,8 @@ def test_bad_settings_stop_in_one_line() -> None:
         lowering_settings("configs/coca_350m.yml", "rope", 0, []).validate()
     with pytest.raises(ValueError, match=r"^--layers 0: must be >= 1"):
         lowering_settings("configs/coca_350m.yml", "rope", 16, [], "whole", 0).validate()
+    with pytest.raises(ValueError, match=r"^--blocks-per-region 2: must be >= 1, and 1 unless --compile-mode regional"):
+        lowering_settings("configs/coca_350m.yml", "rope", 16, [], "whole", 2, 2).validate()
 
 
 def _a_cuda_build_with_triton() -> bool:

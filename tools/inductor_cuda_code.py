@@ -2,14 +2,14 @@
 """What inductor generates for CUDA for the compiled regions, on a machine without a GPU.
 
     python tools/inductor_cuda_code.py [--scheme rope] [--micro-batch 16] [--inductor NAME=VALUE ...]
-        [--compile-mode regional|whole] [--layers N] [--out DIR]
+        [--compile-mode regional|whole] [--layers N] [--blocks-per-region K] [--out DIR]
 
-Prints, for each compiled region's forward and backward (regional: one transformer block and the LM head; whole: the
-model at --layers layers; bf16, an H200's device answers), the Triton kernels its wrapper launches, its library
-calls (GEMMs, attention), the ATen reductions it runs between them, and inductor's bytes per token; --out keeps each
-generated wrapper. --inductor takes inductor settings as train.compile_options does (e.g.
-triton.mix_order_reduction=false). Needs a CUDA build of torch (pip's default wheel, which runs without a GPU) and
-triton; written against the GPU node's torch 2.11.0+cu130 with triton 3.6. The logic lives in
+Prints, for each compiled region's forward and backward (regional: one transformer block, or --blocks-per-region K
+of them, and the LM head; whole: the model at --layers layers; bf16, an H200's device answers), the Triton kernels
+its wrapper launches, its library calls (GEMMs, attention), the ATen reductions it runs between them, and inductor's
+bytes per token; --out keeps each generated wrapper. --inductor takes inductor settings as train.compile_options
+does (e.g. triton.mix_order_reduction=false). Needs a CUDA build of torch (pip's default wheel, which runs without
+a GPU) and triton; written against the GPU node's torch 2.11.0+cu130 with triton 3.6. The logic lives in
 megatron_lite/bench/cuda_lowering.py.
 """
 
@@ -34,10 +34,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="an inductor setting (torch._inductor.config name), as train.compile_options takes it")
     parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="regional")
     parser.add_argument("--layers", type=int, default=1, help="the model's depth with --compile-mode whole")
+    parser.add_argument("--blocks-per-region", type=int, default=1,
+                        help="blocks of one compiled region with --compile-mode regional "
+                             "(train.compile_blocks_per_region)")
     parser.add_argument("--out", type=Path, default=None, metavar="DIR", help="write each generated wrapper here")
     args = parser.parse_args(argv)
     settings = lowering_settings(args.config, args.scheme, args.micro_batch, args.inductor, args.compile_mode,
-                                 args.layers)
+                                 args.layers, args.blocks_per_region)
     graphs = lower_for_cuda(settings)
     print(format_lowering(graphs, settings))
     if args.out is not None:

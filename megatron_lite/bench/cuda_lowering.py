@@ -57,6 +57,7 @@ class LoweringSettings:
     inductor: dict[str, Any] = field(default_factory=dict)  # train.compile_options' form
     compile_mode: str = "regional"  # train.compile_mode's values
     layers: int = 1  # the model's depth for "whole" (regional lowers one block, whatever the depth)
+    blocks_per_region: int = 1  # regional: the blocks of one compiled region (train.compile_blocks_per_region)
 
     def validate(self) -> None:
         variant_named(self.scheme)
@@ -66,6 +67,9 @@ class LoweringSettings:
             raise ValueError(f"--compile-mode {self.compile_mode}: must be one of {', '.join(COMPILE_MODES)}")
         if self.layers < 1:
             raise ValueError(f"--layers {self.layers}: must be >= 1")
+        if self.blocks_per_region < 1 or (self.blocks_per_region > 1 and self.compile_mode != "regional"):
+            raise ValueError(f"--blocks-per-region {self.blocks_per_region}: must be >= 1, and 1 unless "
+                             "--compile-mode regional")
         inductor_settings(self.inductor, where="--inductor")
 
 
@@ -102,7 +106,8 @@ def _record_graphs(settings: LoweringSettings) -> tuple[Recorded, int]:
     recorded: Recorded = []
     # compile_model gives every region one backend; dynamo calls it once per region, in the order the forward
     # reaches them (regional: the block, then the head), and the inner compiler once per forward and backward
-    regions = iter(["model"] if settings.compile_mode == "whole" else ["block", "head"])
+    group = "block" if settings.blocks_per_region == 1 else f"{settings.blocks_per_region} blocks"
+    regions = iter(["model"] if settings.compile_mode == "whole" else [group, "head"])
 
     def backend(gm: Any, example_inputs: list[Any]) -> Any:
         region = next(regions)
@@ -114,12 +119,13 @@ def _record_graphs(settings: LoweringSettings) -> tuple[Recorded, int]:
         return compile_fx(gm, example_inputs, inner_compile=record)
 
     base = config_lib.load(settings.config_path)
-    layers = settings.layers if settings.compile_mode == "whole" else 1
+    layers = settings.layers if settings.compile_mode == "whole" else settings.blocks_per_region
     config = config_lib.with_overrides(base, [f"model.num_layers={layers}", *variant_named(settings.scheme).overrides])
     torch.manual_seed(0)
     model = GPT(config.model).to(torch.bfloat16).train()
     torch._dynamo.reset()
-    compile_model(model, settings.compile_mode, backend=backend)  # type: ignore[arg-type]
+    compile_model(model, settings.compile_mode, backend=backend,  # type: ignore[arg-type]
+                  blocks_per_region=settings.blocks_per_region)
     ids_BT1 = torch.randint(0, config.model.vocab_size, (settings.micro_batch, config.model.seq_length + 1))
     model(ids_BT1[:, :-1], labels=ids_BT1[:, 1:]).backward()
     torch._dynamo.reset()
@@ -257,7 +263,8 @@ def lower_for_cuda(settings: LoweringSettings) -> list[GraphCode]:
 def format_lowering(graphs: list[GraphCode], settings: LoweringSettings) -> str:
     shown = ", ".join(f"{name}={value}" for name, value in inductor_settings(settings.inductor, "--inductor").items())
     what = (f"The whole {settings.layers}-layer {settings.scheme} model" if settings.compile_mode == "whole" else
-            f"One {settings.scheme} block and the LM head")
+            f"One {settings.scheme} block and the LM head" if settings.blocks_per_region == 1 else
+            f"One region of {settings.blocks_per_region} {settings.scheme} blocks and the LM head")
     lines = [f"{what} of {settings.config_path}, compiled {settings.compile_mode}, micro batch "
              f"{settings.micro_batch}, bf16, as inductor (torch {torch.__version__}) lowers it for an H200"
              f"{f' with {shown}' if shown else ''}:", "",
@@ -281,7 +288,8 @@ def parse_inductor_assignments(assignments: list[str]) -> dict[str, Any]:
 
 
 def lowering_settings(config_path: str, scheme: str, micro_batch: int, assignments: list[str],
-                      compile_mode: str = "regional", layers: int = 1) -> LoweringSettings:
+                      compile_mode: str = "regional", layers: int = 1, blocks_per_region: int = 1) -> LoweringSettings:
     return LoweringSettings(config_path=config_path, scheme=scheme, micro_batch=micro_batch,
-                            inductor=parse_inductor_assignments(assignments), compile_mode=compile_mode, layers=layers)
+                            inductor=parse_inductor_assignments(assignments), compile_mode=compile_mode, layers=layers,
+                            blocks_per_region=blocks_per_region)
 
