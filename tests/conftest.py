@@ -39,21 +39,6 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Files keep their collection order under ``-n N --dist loadfile`` (xdist's default orders them by their
-    number of tests, most first): otherwise the few-test, minute-long multi-rank and end-to-end files start last
-    and end the run alone on one worker."""
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files with a ``slow`` test (the multi-rank and end-to-end ones, the longest) first, each file's tests in
-    their order: the workers start on the long files and fill the rest of the run with the short ones."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable
-
-
 def run_single_rank_worker(test_file: str, argument: str, **environment: str) -> Any:
     """Run ``python test_file argument`` as a fresh one-rank process (no launcher's rank variables, one thread,
     the repository as working dir) and return the JSON its last stdout line holds; a failure shows its stderr."""
