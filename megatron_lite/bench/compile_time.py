@@ -36,14 +36,14 @@ DEFAULT_MODES = MODES[:3]
 # regional-blocks-K: K consecutive blocks per compiled region (train.compile_blocks_per_region); against regional,
 # what fewer region calls save the host per step and what the larger graph costs the first step
 GROUPED_PREFIX = "regional-blocks-"
+RESULT_MARK = "COMPILE_TIME_RESULT "
+FIRST_STEP_TARGET = 3.0  # whole / regional first-step time (issue 35, item 4)
 
 
 def blocks_per_region(mode: str) -> int | None:
     """K of a ``regional-blocks-K`` mode (K >= 2), else None."""
     count = mode.removeprefix(GROUPED_PREFIX)
     return int(count) if mode.startswith(GROUPED_PREFIX) and count.isdigit() and int(count) >= 2 else None
-RESULT_MARK = "COMPILE_TIME_RESULT "
-FIRST_STEP_TARGET = 3.0  # whole / regional first-step time (issue 35, item 4)
 
 
 @dataclass
@@ -285,9 +285,10 @@ def format_compile_time(result: dict[str, Any]) -> str:
     for row in rows:
         mode = row["mode"]
         if f"forward_backward_regional_over_{mode}" in ratios:
-            lines.append(f"forward + backward regional / {mode}: {ratios[f'forward_backward_regional_over_{mode}']:.2f}x "
-                         f"(> 1: fewer region calls save host time); its first step "
-                         f"{ratios[f'first_step_{mode}_over_regional']:.2f}x regional's")
+            faster = ratios[f"forward_backward_regional_over_{mode}"]
+            longer = ratios[f"first_step_{mode}_over_regional"]
+            lines.append(f"forward + backward regional / {mode}: {faster:.2f}x (> 1: fewer region calls save host "
+                         f"time); its first step {longer:.2f}x regional's")
     for mode in ("whole", "regional"):
         if f"step_eager_over_{mode}" in ratios:
             lines.append(f"eager step / {mode} step: {ratios[f'step_eager_over_{mode}']:.2f}x")

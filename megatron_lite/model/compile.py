@@ -4,10 +4,10 @@
 so one code object, which dynamo traces and inductor compiles once and then reuses for every layer (PyTorch's
 regional-compilation recipe, torchtitan's ``apply_compile``). The first step's compile time stops growing with
 the depth. With ``blocks_per_region`` K > 1, K consecutive blocks are one region instead (one function over a
-tuple of blocks, compiled once for every group). The LM head (with labels: the fused chunked loss) is compiled as its own region too: its GEMMs are
-cuBLAS calls either way, but the elementwise passes over each (chunk, V) block of float32 logits fuse (on CPU
-its forward + backward ran 1.6x faster compiled). The embedding and the per-forward context (rotary tables,
-masks) run eagerly.
+tuple of blocks, compiled once for every group). The LM head (with labels: the fused chunked loss) is compiled as
+its own region too: its GEMMs are cuBLAS calls either way, but the elementwise passes over each (chunk, V) block
+of float32 logits fuse (on CPU its forward + backward ran 1.6x faster compiled). The embedding and the
+per-forward context (rotary tables, masks) run eagerly.
 
 ``whole`` compiles ``model.decode`` (embedding, every block, final norm, head) as one graph, which fuses across
 block boundaries, at a compile time that grows with the number of layers. The per-forward context is built
