@@ -224,6 +224,33 @@ def test_regional_graphs_qualify_for_cuda_graphs(scheme: str, constraint: str) -
     assert seen == [([], 0)] * 4
 
 
+def test_a_block_group_qualifies_for_cuda_graphs_with_its_parameters_static() -> None:
+    """A region of 2 blocks (train.compile_blocks_per_region) neither mutates an input nor returns an alias, and all
+    its blocks' parameters are static inputs: CUDA graphs replay them in place (a non-static input is copied into
+    the graph's memory at every replay)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from megatron_lite.model.compile import compile_model
+
+    seen: list[tuple[int, list[int], int]] = []
+
+    def record(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
+        metadata = torch._guards.TracingContext.get().fw_metadata
+        seen.append((len(metadata.static_input_indices), list(metadata.mutated_inp_runtime_indices),
+                     metadata.num_outputs_aliased))
+        return make_boxed_func(graph.forward)
+
+    torch._dynamo.reset()
+    model = GPT(tiny_config("coca", "slack", num_layers=4).model).to(torch.bfloat16).train()
+    compile_model(model, "regional", backend=aot_autograd(fw_compiler=record, bw_compiler=record), blocks_per_region=2)
+    ids = torch.randint(0, 250, (2, 17), generator=torch.Generator().manual_seed(0))  # (B, T + 1)
+    model(ids[:, :-1], labels=ids[:, 1:]).backward()
+    group_parameters = 2 * sum(1 for _ in model.layers[0].parameters())
+    assert seen[0] == (group_parameters, [], 0)  # the group's forward
+    assert all(mutated == [] and aliased == 0 for _, mutated, aliased in seen)
+
+
 def test_inductor_settings_are_flattened_and_checked_against_the_installed_torch() -> None:
     """train.compile_options: nested or dotted names become torch.compile's flat options, added to a mode's own;
     a name the installed inductor does not have, a setting the loop's own keys own, or a non-boolean for a
