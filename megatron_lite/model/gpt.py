@@ -236,9 +236,9 @@ class GPT(nn.Module):
         recompute = self.config.checkpoint_activations and self.training and cache is None
         runner = self.block_group_runner
         if runner is not None and cache is None:  # a KV cache (generation) runs block by block, eagerly
-            size = self.blocks_per_region
-            for start in range(0, len(self.layers), size):
-                group = tuple(self.layers[start:start + size])  # any group of blocks: one graph for all
+            size, blocks = self.blocks_per_region, tuple(self.layers)  # a ModuleList's slice is a new ModuleList
+            for start in range(0, len(blocks), size):
+                group = blocks[start:start + size]  # any group of blocks: one graph for all
                 if recompute:
                     x_BTC = checkpoint(runner, group, x_BTC, self.position, ctx, use_reentrant=False)
                 else:
