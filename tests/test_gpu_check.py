@@ -321,7 +321,12 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
     # a variant's setting shown as a shell would take it (fewer_launches' is a YAML mapping with spaces)
     (fewer,) = users_command.run_users_command(None, None, None, tmp_path / "shown", False, 60.0, print,
                                                micro_batch=16, variant="fewer_launches")
-    assert shlex.split(fewer["command"])[-2:] == ["--set", users_command.USERS_VARIANTS["fewer_launches"]]
+    assert shlex.split(fewer["command"])[-2:] == ["--set", *users_command.USERS_VARIANTS["fewer_launches"]]
+    # a variant of several settings sets each, in order, after the micro batch
+    both = users_command.users_arguments(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "run",
+                                         tmp_path / "cache", micro_batch=16, variant="fewer_launches_blocks_of_4")
+    assert both[-6:] == ["--set", "train.train_micro_batch_size_per_gpu=16", "--set", users_command.FEWER_LAUNCHES,
+                         "--set", "train.compile_blocks_per_region=4"]
     # a run the section's budget skips starts nothing, even with CUDA
     over = "skipped: the section passed its 240 s budget"
     (row,) = users_command.run_users_command(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "work", True,
@@ -370,7 +375,7 @@ def test_the_prepared_gpu_calls_still_parse(tmp_path: Path, capsys: pytest.Captu
     for micro_batch, variant in users_runs:
         assert int(micro_batch) >= 1 and (not variant or variant in users_command.USERS_VARIANTS), variant
         if variant:  # its setting applies to the users' config, and names only settings torch's inductor has
-            varied = config_lib.with_overrides(users_config, [users_command.USERS_VARIANTS[variant]])
+            varied = config_lib.with_overrides(users_config, list(users_command.USERS_VARIANTS[variant]))
             inductor_settings(varied.train.compile_options)
     (probe,) = re.findall(r"python3 tools/reproduce\.py (.*?) >", call_b.replace("\\\n", " "))
     arguments = shlex.split(probe.replace("$graphs", "true"))

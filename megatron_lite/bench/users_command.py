@@ -35,19 +35,23 @@ USERS_CONFIG = "configs/coca_350m.yml"
 USERS_ITERS = 20
 USERS_LOG_INTERVAL = 4
 MICRO_BATCH_KEY = "train.train_micro_batch_size_per_gpu"
-# the runs beside the config as it is: each variant's name (in its row, its run dir and log names) and its setting
-USERS_VARIANTS = {"cudagraphs": "train.cuda_graphs=true", "cpp_wrapper": "train.compile_cpp_wrapper=true",
-                  # inductor's mix-order reduction off: the LayerNorms' weight and bias gradients summed in Triton
-                  # kernels instead of 4 ATen sums per block per micro batch (docs/gpu.md)
-                  "no_mix_order": "train.compile_options.triton.mix_order_reduction=false",
-                  # and independent kernels launched as one (combo kernels, each part with its own block sizes):
-                  # 41 -> 28 launches per coca_slack block and micro batch in inductor's CUDA code
-                  # (tools/inductor_cuda_code.py)
-                  "fewer_launches": "train.compile_options={combo_kernels: true, combo_kernel_per_subkernel_blocks: "
-                                    "true, triton: {mix_order_reduction: false}}",
-                  # 4 blocks per compiled region: 50 -> 14 region calls per micro batch (their guards and wrappers
-                  # on the host), a first compile ~1.3x longer (tools/bench_train.py --compile-time)
-                  "blocks_of_4": "train.compile_blocks_per_region=4"}
+# the runs beside the config as it is: each variant's name (in its row, its run dir and log names) and its settings
+# inductor's mix-order reduction off, and independent kernels launched as one (combo kernels, each part with its own
+# block sizes): 41 -> 28 launches per coca_slack block and micro batch in inductor's CUDA code
+# (tools/inductor_cuda_code.py)
+FEWER_LAUNCHES = ("train.compile_options={combo_kernels: true, combo_kernel_per_subkernel_blocks: true, "
+                  "triton: {mix_order_reduction: false}}")
+# 4 blocks per compiled region: 50 -> 14 region calls per micro batch (their guards and wrappers on the host), a
+# first compile ~1.3x longer (tools/bench_train.py --compile-time)
+BLOCKS_OF_4 = "train.compile_blocks_per_region=4"
+USERS_VARIANTS: dict[str, tuple[str, ...]] = {
+    "cudagraphs": ("train.cuda_graphs=true",), "cpp_wrapper": ("train.compile_cpp_wrapper=true",),
+    # the LayerNorms' weight and bias gradients summed in Triton kernels instead of 4 ATen sums per block and micro
+    # batch (docs/gpu.md)
+    "no_mix_order": ("train.compile_options.triton.mix_order_reduction=false",),
+    "fewer_launches": (FEWER_LAUNCHES,), "blocks_of_4": (BLOCKS_OF_4,),
+    # both: the host's two levers that ask nothing of the user's machine (no C++ build, no graph pool)
+    "fewer_launches_blocks_of_4": (FEWER_LAUNCHES, BLOCKS_OF_4)}
 USERS_PROFILED_STEPS = 1  # after the measured steps: 16 micro batches on one GPU, a trace of a few MB
 USERS_PROFILE_ROWS = 80  # operators in its table (the config's 40 stopped above the small kernels)
 SHOWN_COMMAND = f"deepspeed --num_gpus 1 train.py --config {USERS_CONFIG}"
@@ -68,7 +72,7 @@ def users_arguments(mix: Path, tokenizer: Path, vocab_size: int, run_dir: Path, 
                     micro_batch: int | None = None, variant: str | None = None) -> list[str]:
     """The deepspeed launcher's command line (this interpreter's ``deepspeed.launcher.runner``, as the
     ``deepspeed`` script runs it): the paper config as it is (at ``micro_batch``, if given; with a
-    ``USERS_VARIANTS`` setting if ``variant`` names one), pointed at the data, for ``iters`` measured steps and
+    ``USERS_VARIANTS`` settings if ``variant`` names one), pointed at the data, for ``iters`` measured steps and
     ``profiled`` more under train.profile."""
     sets = [f"data.mix={json.dumps(str(mix))}", f"data.cache_dir={json.dumps(str(cache_dir))}",
             f"data.tokenizer.model={json.dumps(str(tokenizer))}", f"model.vocab_size={vocab_size}",
@@ -80,7 +84,7 @@ def users_arguments(mix: Path, tokenizer: Path, vocab_size: int, run_dir: Path, 
     if micro_batch:
         sets.append(f"{MICRO_BATCH_KEY}={micro_batch}")
     if variant:
-        sets.append(USERS_VARIANTS[variant])
+        sets += USERS_VARIANTS[variant]
     port = ["--master_port", str(master_port)] if master_port else []
     arguments = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "1", *port,
                  str(REPO / "train.py"), "--config", str(REPO / USERS_CONFIG), "--run-dir", str(run_dir),
@@ -228,10 +232,10 @@ def run_users_command(mix: Path | None, tokenizer: Path | None, vocab_size: int 
     """One row: the users' command run in ``work`` (run dir, data cache, compile cache, log.txt); with
     ``micro_batch``, at that micro batch (the global batch, so the optimizer steps, unchanged: the accumulation
     follows), in ``run_micro_batch_N`` with ``log_micro_batch_N.txt``; with ``variant``, with its
-    ``USERS_VARIANTS`` setting (``..._cudagraphs``, ``..._cpp_wrapper``). ``skipped``: the row's status, nothing
+    ``USERS_VARIANTS`` settings (``..._cudagraphs``, ``..._cpp_wrapper``). ``skipped``: the row's status, nothing
     run (a section past its budget)."""
     shown = (SHOWN_COMMAND + (f" --set {MICRO_BATCH_KEY}={micro_batch}" if micro_batch else "")
-             + (f" --set {shlex.quote(USERS_VARIANTS[variant])}" if variant else ""))
+             + "".join(f" --set {shlex.quote(setting)}" for setting in USERS_VARIANTS.get(variant or "", ())))
     row: dict[str, Any] = {"command": shown, "steps": iters, "micro_batch": micro_batch or "config",
                            "variant": variant or "-"}
     if skipped is not None or not cuda:

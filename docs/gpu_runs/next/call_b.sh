@@ -2,11 +2,13 @@
 # Prepared 2026-11-28 (eleventh session, no GPU): call B, right after call_a.sh on the same warm machine (its
 # wheels in /tmp/site). In priority order, as the session's remaining device time may cut it short:
 #   1. the users' command at micro batch 16 with inductor's combo kernels and without its mix-order reduction
-#      (USERS_VARIANTS' fewer_launches, added 2026-11-28 in the thirteenth session: 41 -> 28 launches per block and
-#      micro batch), at 16 with train.compile_cpp_wrapper=true (gpu_check's --users-cpp-wrapper 16 row), then at
-#      micro batch 32 (its --users-micro-batch 32 row), then at 16 with 4 blocks per compiled region (blocks_of_4,
-#      added 2026-11-28 in the fourteenth session: 50 -> 14 region calls per micro batch), run alone: call A ran the
-#      plain and the CUDA graphs rows at 16 -> users_b.json (the rows), each run's log, metrics and profiled step
+#      (USERS_VARIANTS' fewer_launches, added in the thirteenth session: 41 -> 28 launches per block and micro batch),
+#      then with those and 4 blocks per compiled region as well (fewer_launches_blocks_of_4, added in the fifteenth
+#      session: the two host levers that ask nothing of a user's machine, together), then at micro batch 32 (its
+#      --users-micro-batch 32 row), then at 16 with 4 blocks per region alone (blocks_of_4, fourteenth session: 50 ->
+#      14 region calls per micro batch), then at 16 with train.compile_cpp_wrapper=true (gpu_check's
+#      --users-cpp-wrapper 16 row: a C++ build on the user's machine, the least likely default), run alone: call A
+#      ran the plain and the CUDA graphs rows at 16 -> users_b.json (the rows), each run's log, metrics and profile
 #   2. the speedrun's throughput probe (30 steps each of rope and coca_slack, 41.6M, ZeRO 1) with
 #      train.cuda_graphs true, then false -> probe_{true,false}.txt / .json
 # Everything but the traces is re-packed into OUT/results.tar.xz after each stage and each trace copied to OUT, so
@@ -49,9 +51,10 @@ PY
   echo "[t=$(el)] the users' command at $1 ${2:-} exited $?"; pack
 }
 users_run 16 fewer_launches
-users_run 16 cpp_wrapper
+users_run 16 fewer_launches_blocks_of_4
 users_run 32
 users_run 16 blocks_of_4
+users_run 16 cpp_wrapper
 [ "${CALL_B_PROBES:-1}" = 1 ] || { ls -la "$OUT"; exit 0; }  # 0: no speedrun probes (a dry run)
 for graphs in true false; do
   timeout 100 python3 tools/reproduce.py --profile gpu-speedrun --bundle .gpu/bundle30m.tar.xz \
