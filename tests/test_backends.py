@@ -88,6 +88,35 @@ def test_chunked_prefill_after_cache_equals_full_forward() -> None:
     assert (torch.cat(pieces, dim=1) - full).abs().max() <= 1e-10
 
 
+@pytest.mark.parametrize("scheme, cached", [("alibi", 0), ("alibi", 1), ("rope", 1)], ids=["alibi", "alibi_decode", "rope_general"])
+def test_the_sdpa_mask_is_built_once_per_forward_not_per_layer(scheme: str, cached: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """ALiBi's (1, H, T, S) bias (or the bool mask of several queries after cached keys) is the same in every layer:
+    built once per forward and shared (at 16x a 512 window, 2 GB per build at 350M), equal to the per-layer one."""
+    from megatron_lite.model import masks
+
+    builds = []
+    build = masks.attention_mask
+    monkeypatch.setattr(masks, "attention_mask", lambda *args: builds.append(1) or build(*args))
+    model = build_model(tiny_config(scheme, backend="sdpa")).eval()
+    input_ids = torch.randint(0, 250, (2, 20))
+    cache = model.new_cache(20)
+    with torch.no_grad():
+        if cached:
+            model(input_ids[:, :12], cache=cache)
+        builds.clear()
+        out = model(input_ids[:, 12:] if cached else input_ids, cache=cache if cached else None)
+        assert len(model.layers) > 1 and len(builds) == 1
+        # under autocast the queries are bf16 and the forward's bias float32: the kernel takes it in their dtype
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(input_ids)
+    reference = build_model(tiny_config(scheme, backend="reference")).eval()
+    reference.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        expected = reference(input_ids)[:, 12:] if cached else reference(input_ids)
+    assert (out - expected).abs().max() <= 1e-5
+
+
 def test_cache_overflow_is_a_clear_error() -> None:
     model = build_model(tiny_config("rope")).eval()
     cache = model.new_cache(4)

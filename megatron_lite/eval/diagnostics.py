@@ -38,7 +38,8 @@ from megatron_lite.eval.documents import EvalDocuments, load_documents
 from megatron_lite.eval.diagnostics_plots import write_plots
 from megatron_lite.eval.long_context import (choose_attention, max_supported_length, validate_kernel_settings,
                                              with_attention)
-from megatron_lite.model.attention import AttentionKernel, attention_mask
+from megatron_lite.model.attention import AttentionKernel
+from megatron_lite.model.masks import attention_mask
 from megatron_lite.model.context import PositionContext
 from megatron_lite.model.gpt import DTYPES, GPT
 from megatron_lite.model.gqa import repeat_kv

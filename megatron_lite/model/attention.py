@@ -27,25 +27,9 @@ from megatron_lite.model import flex
 from megatron_lite.model.context import MaskMode, PositionContext, mask_mode
 from megatron_lite.model.gqa import is_grouped, repeat_kv
 from megatron_lite.model.kv_cache import LayerCache
+from megatron_lite.model.masks import attention_mask, sdpa_mask
 from megatron_lite.model.position import PositionScheme
 from megatron_lite.model.rope import RotaryTables
-
-
-def causal_allowed(q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
-    """(T, S) bool: key n is visible to query m iff n <= m."""
-    return k_positions[None, :] <= q_positions[:, None]
-
-
-def attention_mask(
-    q_positions: torch.Tensor, k_positions: torch.Tensor, slopes_H: torch.Tensor | None, dtype: torch.dtype
-) -> torch.Tensor:
-    """Boolean (T, S) causal mask, or with ALiBi a float (H, T, S) bias -slope_h (m - n), -inf above."""
-    allowed = causal_allowed(q_positions, k_positions)
-    if slopes_H is None:
-        return allowed
-    distance = (k_positions[None, :] - q_positions[:, None]).to(dtype)  # n - m <= 0 where visible
-    bias = slopes_H.to(dtype)[:, None, None] * distance[None]
-    return bias.masked_fill(~allowed, float("-inf"))
 
 
 def sdpa_attention(
@@ -58,17 +42,21 @@ def sdpa_attention(
     slopes_H: torch.Tensor | None,
     scale: float,
     dropout_p: float = 0.0,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """k/v may have fewer (grouped-query) heads than q: SDPA's ``enable_gqa`` pairs them without a copy."""
+    """k/v may have fewer (grouped-query) heads than q: SDPA's ``enable_gqa`` pairs them without a copy.
+    ``mask``: ``sdpa_mask`` of these positions and slopes, built once per forward for every layer
+    (``PositionContext.sdpa_mask``); None: built here where the mode needs one."""
     gqa = is_grouped(q_BHTD, k_BHSD)
     if slopes_H is None and mode == "causal":  # the kernel's own causal path (no mask tensor)
         return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, is_causal=True, scale=scale, dropout_p=dropout_p,
                                               enable_gqa=gqa)
     if slopes_H is None and mode == "decode":  # every cached key precedes the one query
         return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, scale=scale, dropout_p=dropout_p, enable_gqa=gqa)
-    mask = attention_mask(q_positions, k_positions, slopes_H, q_BHTD.dtype)
-    if mask.dim() == 3:
-        mask = mask[None]  # (1, H, T, S): the fused CPU kernel takes 2-D or 4-D masks only
+    if mask is None:
+        mask = sdpa_mask(q_positions, k_positions, slopes_H, q_BHTD.dtype)
+    elif mask.is_floating_point() and mask.dtype != q_BHTD.dtype:  # a bias must match the queries' dtype
+        mask = mask.to(q_BHTD.dtype)
     return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask, scale=scale, dropout_p=dropout_p,
                                           enable_gqa=gqa)
 
@@ -178,16 +166,16 @@ class AttentionKernel(nn.Module):
         if cache is not None:
             keys_BKSD, v_BKSD, k_positions = cache.append(keys_BKSD, v_BKTD, ctx.positions)
         return self._kernel(q_BHTD, keys_BKSD, v_BKSD, ctx.mask_mode, ctx.positions, k_positions, slopes_H,
-                            ctx.block_mask)
+                            ctx.block_mask, ctx.sdpa_mask)
 
     def _kernel(self, q_BHTD: torch.Tensor, keys_BKSD: torch.Tensor, v_BKSD: torch.Tensor, mode: MaskMode,
                 q_positions: torch.Tensor, k_positions: torch.Tensor, slopes_H: torch.Tensor | None,
-                block_mask: object) -> torch.Tensor:
-        """The configured fused kernel on transformed q', k' and v."""
+                block_mask: object, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The configured fused kernel on transformed q', k' and v (``mask``: the forward's ``sdpa_mask``)."""
         dropout_p = self.dropout_p if self.training else 0.0
         if self.backend == "sdpa":
             return sdpa_attention(q_BHTD, keys_BKSD, v_BKSD, mode, q_positions, k_positions, slopes_H, self.scale,
-                                  dropout_p)
+                                  dropout_p, mask)
         if self.backend == "flex":
             return flex.flex_attention_forward(q_BHTD, keys_BKSD, v_BKSD, block_mask, q_positions, k_positions,
                                                slopes_H, self.scale)

@@ -12,6 +12,7 @@ import torch
 
 from megatron_lite.config import AttentionConfig
 from megatron_lite.model import flex
+from megatron_lite.model.masks import sdpa_mask
 from megatron_lite.model.position import PositionScheme
 from megatron_lite.model.rope import RotaryEmbedding, RotaryTables
 from megatron_lite.model.sequence_parallel import SequenceParallel, SequenceShard
@@ -38,6 +39,9 @@ class PositionContext:
     last_position: int | None = None  # the last position when the call's structure tells it (no explicit positions)
     document_ids: torch.Tensor | None = None  # (B, T) document of each token (model.attention.document_mask)
     block_mask: Any = None  # FlexAttention BlockMask (backend flex), shared by all layers
+    # backend sdpa, where the kernel needs a mask tensor (ALiBi; several queries after cached keys): the (T, S) bool
+    # mask or ALiBi's (1, H, T, S) bias (masks.sdpa_mask), built once per forward for all layers, not by each
+    sdpa_mask: torch.Tensor | None = None
     # Sequence parallelism: the group, this rank's slice of the call's tokens, and the whole sequence's (T,)
     # positions, which the kernel sees after the all-to-all (``positions`` and ``tables`` are the slice's;
     # ``document_ids`` the whole sequence's)
@@ -106,13 +110,16 @@ def build_context(scheme: PositionScheme, attention: AttentionConfig, input_ids_
             raise ValueError("model.attention.document_mask: decoding with a KV cache is not supported; "
                              "generate with document_mask=false")
         document_ids = flex.document_ids(input_ids_BT, attention.eod_token_id)  # (B, T)
-    block_mask = None
+    key_positions = positions_T if not cached else torch.cat([cached_positions, positions_T])  # type: ignore[list-item]
+    block_mask = mask = None
     if attention.backend == "flex":
-        key_positions = positions_T if not cached else torch.cat([cached_positions, positions_T])  # type: ignore[list-item]
         block_mask = flex.build_block_mask(positions_T, key_positions, document_ids, document_ids)
+    slopes_H = scheme.slopes()
+    if attention.backend == "sdpa" and (slopes_H is not None or mode == "general"):
+        mask = sdpa_mask(positions_T, key_positions, slopes_H, table_dtype)
     return PositionContext(positions=positions_T, rope_length=rope_length, rotary=rotary, tables=tables,
                            mask_mode=mode, last_position=last_position, document_ids=document_ids,
-                           block_mask=block_mask)
+                           block_mask=block_mask, sdpa_mask=mask)
 
 
 def _sharded_context(scheme: PositionScheme, attention: AttentionConfig, input_ids_BT: torch.Tensor,
