@@ -88,8 +88,9 @@ def test_chunked_prefill_after_cache_equals_full_forward() -> None:
     assert (torch.cat(pieces, dim=1) - full).abs().max() <= 1e-10
 
 
-@pytest.mark.parametrize("scheme, cached", [("alibi", 0), ("alibi", 1), ("rope", 1)], ids=["alibi", "alibi_decode", "rope_general"])
-def test_the_sdpa_mask_is_built_once_per_forward_not_per_layer(scheme: str, cached: int,
+@pytest.mark.parametrize("scheme, cached", [("alibi", False), ("alibi", True), ("rope", True)],
+                         ids=["alibi", "alibi_after_cache", "rope_general"])
+def test_the_sdpa_mask_is_built_once_per_forward_not_per_layer(scheme: str, cached: bool,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """ALiBi's (1, H, T, S) bias (or the bool mask of several queries after cached keys) is the same in every layer:
     built once per forward and shared (at 16x a 512 window, 2 GB per build at 350M), equal to the per-layer one."""
