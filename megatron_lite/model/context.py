@@ -110,13 +110,15 @@ def build_context(scheme: PositionScheme, attention: AttentionConfig, input_ids_
             raise ValueError("model.attention.document_mask: decoding with a KV cache is not supported; "
                              "generate with document_mask=false")
         document_ids = flex.document_ids(input_ids_BT, attention.eod_token_id)  # (B, T)
-    key_positions = positions_T if not cached else torch.cat([cached_positions, positions_T])  # type: ignore[list-item]
-    block_mask = mask = None
-    if attention.backend == "flex":
-        block_mask = flex.build_block_mask(positions_T, key_positions, document_ids, document_ids)
     slopes_H = scheme.slopes()
-    if attention.backend == "sdpa" and (slopes_H is not None or mode == "general"):
-        mask = sdpa_mask(positions_T, key_positions, slopes_H, table_dtype)
+    needs_sdpa_mask = attention.backend == "sdpa" and (slopes_H is not None or mode == "general")
+    block_mask = mask = None
+    if attention.backend == "flex" or needs_sdpa_mask:  # the keys' positions: the cache's, then this call's
+        key_positions = positions_T if not cached else torch.cat([cached_positions, positions_T])  # type: ignore[list-item]
+        if needs_sdpa_mask:
+            mask = sdpa_mask(positions_T, key_positions, slopes_H, table_dtype)
+        else:
+            block_mask = flex.build_block_mask(positions_T, key_positions, document_ids, document_ids)
     return PositionContext(positions=positions_T, rope_length=rope_length, rotary=rotary, tables=tables,
                            mask_mode=mode, last_position=last_position, document_ids=document_ids,
                            block_mask=block_mask, sdpa_mask=mask)
