@@ -158,8 +158,10 @@ def test_cuda_graphs_on_a_cuda_device_only(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.parametrize(("train", "message"), [
-    ({"compile_blocks_per_region": 3}, "train.compile_blocks_per_region=3: must divide model.num_layers=2"),
-    ({"compile_blocks_per_region": 0}, "train.compile_blocks_per_region=0: must divide model.num_layers=2"),
+    ({"compile_blocks_per_region": 3},
+     "train.compile_blocks_per_region=3: must be a positive divisor of model.num_layers=2"),
+    ({"compile_blocks_per_region": 0},
+     "train.compile_blocks_per_region=0: must be a positive divisor of model.num_layers=2"),
     ({"compile_blocks_per_region": 2, "compile_mode": "whole"},
      "train.compile_blocks_per_region=2: groups regionally compiled blocks, not with train.compile_mode=whole"),
 ])

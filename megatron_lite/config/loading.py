@@ -179,7 +179,7 @@ def _validate_train(config: Config) -> None:
              "all-to-all around each block's attention has not been tried inside CUDA graphs)")
     blocks, layers = train.compile_blocks_per_region, config.model.num_layers
     _require(blocks >= 1 and layers % blocks == 0,
-             f"train.compile_blocks_per_region={blocks}: must divide model.num_layers={layers}")
+             f"train.compile_blocks_per_region={blocks}: must be a positive divisor of model.num_layers={layers}")
     _require(blocks == 1 or train.compile_mode == "regional",
              f"train.compile_blocks_per_region={blocks}: groups regionally compiled blocks, not with "
              f"train.compile_mode={train.compile_mode}")

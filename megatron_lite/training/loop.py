@@ -258,7 +258,7 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
     staged.log_stage()
     if dropped_rows:
         console(f"metrics.jsonl: dropped {dropped_rows} row(s) logged after step {state.step} "
-                "by the interrupted attempt (those steps are redone)")
+                "by an earlier attempt (those steps are redone)")
     if staged.compiled:  # last, just before the first step: the long wait follows it
         console(compile_announcement(config.train.compile_mode, staged.cuda_graphs,
                                      config.train.compile_cpp_wrapper))
