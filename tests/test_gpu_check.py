@@ -236,9 +236,11 @@ def test_sdpa_kernel_rows_pin_torchs_kernel() -> None:
     assert gpu_check.sdpa_auto_kernel(torch.device("cpu")) == "FLASH_ATTENTION"  # torch's choice on a CPU
 
 
-def test_cudagraphs_and_max_autotune_compile_modes_ask_inductor_for_them(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cudagraphs_max_autotune_and_fewer_launches_compile_modes_ask_inductor_for_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """gpu_check's ``-cudagraphs`` rows: the same regions compiled with torch.compile's mode="reduce-overhead";
-    ``-max-autotune`` rows: with mode="max-autotune-no-cudagraphs" (GEMM autotuning, fused epilogues)."""
+    ``-max-autotune`` rows: with mode="max-autotune-no-cudagraphs" (GEMM autotuning, fused epilogues);
+    ``-fewer-launches`` rows: with the users' command's fewer_launches inductor settings, as options."""
     calls: list[dict[str, object]] = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: calls.append(kwargs))
     model = GPT(config_lib.from_dict({"model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2,
@@ -251,6 +253,14 @@ def test_cudagraphs_and_max_autotune_compile_modes_ask_inductor_for_them(monkeyp
     calls.clear()
     gpu_check._compile(model, False, "regional-max-autotune")
     assert calls == [{"backend": "inductor", "mode": "max-autotune-no-cudagraphs"}] * 3
+    calls.clear()
+    gpu_check._compile(model, False, "regional-fewer-launches")
+    fewer = {"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True, "triton.mix_order_reduction": False}
+    assert calls == [{"backend": "inductor", "options": fewer}] * 3
+    # the same settings as the users' command's variant sets them
+    varied = config_lib.with_overrides(config_lib.load(REPO / users_command.USERS_CONFIG),
+                                       list(users_command.USERS_VARIANTS["fewer_launches"]))
+    assert inductor_settings(varied.train.compile_options) == fewer
 
 
 def test_users_command_reads_metrics_and_warnings(tmp_path: Path) -> None:

@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile-mode", default="regional", metavar="MODE,...",
                         help=f"how our model is compiled ({', '.join(BENCH_COMPILE_MODES)}; "
                              "megatron_lite.model.compile; -cudagraphs: with inductor's CUDA graphs, -max-autotune: "
-                             "with its GEMM autotuning and fused epilogues, measurements only): the first for every "
+                             "with its GEMM autotuning and fused epilogues, -fewer-launches: with its combo kernels "
+                             "and no mix-order reduction, measurements only): the first for every "
                              "compiled row of ours, each further one an extra compiled rope throughput row; the HF "
                              "twin: model.compile()")
     parser.add_argument("--loss-gemm", default="mixed", metavar="GEMM,...",

@@ -32,8 +32,10 @@ import torch.nn.functional as F
 
 from megatron_lite import config as config_lib
 from megatron_lite.config import Config
-from megatron_lite.bench.gpu_check_settings import CUDA_GRAPHS_SUFFIX, MAX_AUTOTUNE_SUFFIX, SECTIONS, CheckSettings
+from megatron_lite.bench.gpu_check_settings import (CUDA_GRAPHS_SUFFIX, FEWER_LAUNCHES_SUFFIX, MAX_AUTOTUNE_SUFFIX,
+                                                    SECTIONS, CheckSettings)
 from megatron_lite.bench.gpu_check_train import CONFIG_350M, CONFIG_TINY, section_train
+from megatron_lite.bench.users_command import FEWER_LAUNCHES_INDUCTOR
 from megatron_lite.files import write_text_atomic
 from megatron_lite.model import GPT
 from megatron_lite.model.attention import check_backend_available
@@ -254,9 +256,11 @@ def _compile(model: torch.nn.Module, is_hf: bool, mode: str) -> None:
     if is_hf:
         model.compile()
     else:
-        base = mode.removesuffix(CUDA_GRAPHS_SUFFIX).removesuffix(MAX_AUTOTUNE_SUFFIX)
+        base = mode.removesuffix(CUDA_GRAPHS_SUFFIX).removesuffix(MAX_AUTOTUNE_SUFFIX).removesuffix(
+            FEWER_LAUNCHES_SUFFIX)
         compile_model(model, base, cuda_graphs=mode.endswith(CUDA_GRAPHS_SUFFIX),  # type: ignore[arg-type]
-                      max_autotune=mode.endswith(MAX_AUTOTUNE_SUFFIX))
+                      max_autotune=mode.endswith(MAX_AUTOTUNE_SUFFIX),
+                      inductor=FEWER_LAUNCHES_INDUCTOR if mode.endswith(FEWER_LAUNCHES_SUFFIX) else None)
 
 
 def _build_for_throughput(config: Config, is_hf: bool, device: torch.device, compiled: bool,

@@ -13,12 +13,14 @@ from megatron_lite.model.compile import COMPILE_MODES
 from megatron_lite.model.loss import LOSS_GEMMS
 from megatron_lite.model.variants import LABELS
 
-CUDA_GRAPHS_SUFFIX, MAX_AUTOTUNE_SUFFIX = "-cudagraphs", "-max-autotune"
+CUDA_GRAPHS_SUFFIX, MAX_AUTOTUNE_SUFFIX, FEWER_LAUNCHES_SUFFIX = "-cudagraphs", "-max-autotune", "-fewer-launches"
 # the training modes, and each with inductor's CUDA graphs (compile_model's cuda_graphs: what replaying a region's
-# kernels from one launch gives the model alone; train.cuda_graphs in training) or with its GEMM autotuning and
-# fused epilogues (compile_model's max_autotune, a measurement only)
+# kernels from one launch gives the model alone; train.cuda_graphs in training), with its GEMM autotuning and fused
+# epilogues (compile_model's max_autotune, a measurement only) or with the users' command's fewer_launches settings
+# (FEWER_LAUNCHES_INDUCTOR: what they cost or give the GPU where the host does not bind)
 BENCH_COMPILE_MODES: tuple[str, ...] = (*COMPILE_MODES, *(mode + suffix for suffix in (CUDA_GRAPHS_SUFFIX,
-                                                                                       MAX_AUTOTUNE_SUFFIX)
+                                                                                       MAX_AUTOTUNE_SUFFIX,
+                                                                                       FEWER_LAUNCHES_SUFFIX)
                                                           for mode in COMPILE_MODES))
 # torch's SDPA kernels a throughput row can pin (torch.nn.attention.sdpa_kernel); auto: torch's own choice
 SDPA_KERNELS = ("auto", "cudnn", "flash", "efficient")

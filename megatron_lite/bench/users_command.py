@@ -36,11 +36,14 @@ USERS_ITERS = 20
 USERS_LOG_INTERVAL = 4
 MICRO_BATCH_KEY = "train.train_micro_batch_size_per_gpu"
 # the runs beside the config as it is: each variant's name (in its row, its run dir and log names) and its settings
-# inductor's mix-order reduction off, and independent kernels launched as one (combo kernels, each part with its own
-# block sizes): 41 -> 28 launches per coca_slack block and micro batch in inductor's CUDA code
-# (tools/inductor_cuda_code.py)
-FEWER_LAUNCHES = ("train.compile_options={combo_kernels: true, combo_kernel_per_subkernel_blocks: true, "
-                  "triton: {mix_order_reduction: false}}")
+# inductor's settings for fewer launches: independent kernels launched as one (combo kernels, each part with the
+# block sizes it would have alone) and the LayerNorms' weight and bias gradients summed in Triton instead of by
+# inductor's mix-order reduction and its 4 ATen sums per block: 41 -> 28 launches per coca_slack block and micro batch
+# in inductor's CUDA code (tools/inductor_cuda_code.py); the GPU check's -fewer-launches compile modes take them too
+FEWER_LAUNCHES_INDUCTOR: dict[str, Any] = {"combo_kernels": True, "combo_kernel_per_subkernel_blocks": True,
+                                           "triton": {"mix_order_reduction": False}}
+FEWER_LAUNCHES = "train.compile_options=" + yaml.safe_dump(FEWER_LAUNCHES_INDUCTOR, default_flow_style=True,
+                                                           sort_keys=False, width=1_000).strip()
 # 4 blocks per compiled region: 50 -> 14 region calls per micro batch (their guards and wrappers on the host), a
 # first compile ~1.3x longer (tools/bench_train.py --compile-time)
 BLOCKS_OF_4 = "train.compile_blocks_per_region=4"
