@@ -99,6 +99,10 @@ def test_compile_mode_compiles_each_block_or_the_whole_model(mode: str) -> None:
     assert "CUDA graphs recorded in the second micro batch" in graphed and "\n" not in graphed
     wrapped = engine_lib.compile_announcement(mode, cpp_wrapper=True)
     assert wrapped.endswith("on a GPU, and more for the C++ wrappers)") and "\n" not in wrapped
+    if mode == "regional":  # train.compile_blocks_per_region: what compiles once is a group
+        grouped = engine_lib.compile_announcement(mode, blocks_per_region=4)
+        assert grouped.startswith("compiling the model (regional: the repeated group of 4 blocks once; ")
+        assert grouped.endswith("on a GPU for single blocks, more for groups of 4)")
 
 
 def test_compile_off_on_cpu_and_at_zero_3() -> None:

@@ -188,13 +188,17 @@ COMPILE_FIRST_STEP_SECONDS = {"regional": 15, "whole": 70}
 _COMPILE_WHAT = {"regional": "the repeated block once", "whole": "the whole model as one graph"}
 
 
-def compile_announcement(mode: str, cuda_graphs: bool = False, cpp_wrapper: bool = False) -> str:
+def compile_announcement(mode: str, cuda_graphs: bool = False, cpp_wrapper: bool = False,
+                         blocks_per_region: int = 1) -> str:
     """The one line a compiled run prints before its first step."""
+    what = _COMPILE_WHAT[mode] if blocks_per_region == 1 else f"the repeated group of {blocks_per_region} blocks once"
     # inductor's graph trees run each region eagerly in the first micro batch, record it in the second
     graphs = "; its CUDA graphs recorded in the second micro batch" if cuda_graphs else ""
+    # a group's graph is larger than a block's: its compile longer (1.2-1.3x for 4 blocks on a CPU; on a GPU unmeasured)
+    groups = f" for single blocks, more for groups of {blocks_per_region}" if blocks_per_region > 1 else ""
     wrapper = ", and more for the C++ wrappers" if cpp_wrapper else ""
-    return (f"compiling the model ({mode}: {_COMPILE_WHAT[mode]}{graphs}; the first step takes about "
-            f"{COMPILE_FIRST_STEP_SECONDS[mode]} s at 350M on a GPU{wrapper})")
+    return (f"compiling the model ({mode}: {what}{graphs}; the first step takes about "
+            f"{COMPILE_FIRST_STEP_SECONDS[mode]} s at 350M on a GPU{groups}{wrapper})")
 
 
 def cuda_graphs_problem(cuda_graphs: bool, accumulation: int, flat_sums: bool) -> str | None:

@@ -261,7 +261,7 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
                 "by an earlier attempt (those steps are redone)")
     if staged.compiled:  # last, just before the first step: the long wait follows it
         console(compile_announcement(config.train.compile_mode, staged.cuda_graphs,
-                                     config.train.compile_cpp_wrapper))
+                                     config.train.compile_cpp_wrapper, config.train.compile_blocks_per_region))
 
 
 def _compiled_label(staged: StagedEngine) -> str:
