@@ -226,13 +226,22 @@ def test_train_py_logs_the_curve_and_trains_the_same_steps(training_corpus, tmp_
 
 
 @pytest.mark.slow
-def test_a_sigterm_during_an_evaluation_saves_the_step_at_once(training_corpus, tmp_path: Path) -> None:
+def test_a_sigterm_during_an_evaluation_saves_the_step_at_once_and_the_resume_redoes_it(training_corpus,
+                                                                                       tmp_path: Path) -> None:
     """A scheduler's stop mid-evaluation (a real SIGTERM to rank 0 of 2, from train.fault_injection): both ranks
-    drop the step's validation and long-context rows and save its checkpoint with the stop recorded."""
+    drop the step's validation and long-context rows and save its checkpoint with the stop recorded. The resumed
+    run evaluates that step first, also at the run's last step: its rows, and every row and loss after them, are
+    the uninterrupted run's."""
     mix, cache = training_corpus
-    config = write_config(tmp_path / "curve.yml", tiny_train_config(
-        mix, cache, eval_interval=2, save_interval=0, extrapolation_eval={**curve_settings(write_books(
-            tmp_path / "books")), "interval": 2}, fault_injection={"sigterm_during_evaluation_step": 2}))
+    settings = tiny_train_config(mix, cache, train_iters=4, eval_interval=2, save_interval=0, extrapolation_eval={
+        **curve_settings(write_books(tmp_path / "books")), "interval": 2})
+    reference = write_config(tmp_path / "reference.yml", settings)
+
+    def stopped_at(step: int) -> Path:
+        return write_config(tmp_path / f"stop_{step}.yml", {**settings, "train": {
+            **settings["train"], "fault_injection": {"sigterm_during_evaluation_step": step}}})
+
+    config = stopped_at(2)
     output = run_train(config, tmp_path / "run", ranks=2).stdout
     assert "step 2: SIGTERM received: the step's evaluation is dropped, its checkpoint saved first" in output
     assert "stopped by SIGTERM at step 2; resume with --resume auto" in output
@@ -244,6 +253,27 @@ def test_a_sigterm_during_an_evaluation_saves_the_step_at_once(training_corpus, 
     assert [row["step"] for row in rows if "extrapolation_ppl_x1" in row] == [0]  # at the start only
     assert not [row for row in rows if "val_loss" in row]
     assert rows[-1] == {"step": 2, "stopped_by": "signal", "signal": "SIGTERM"}
+
+    # --resume auto, stopped again in the evaluation of the last step (4), then resumed there once more
+    resumed = run_train(stopped_at(4), tmp_path / "run", ranks=2).stdout
+    assert ("step 2: due at this step and not in metrics.jsonl (a stop dropped it): validation, extrapolation; "
+            "evaluating before the next step") in resumed
+    assert "stopped by SIGTERM at step 4; resume with --resume auto" in resumed
+    last = run_train(reference, tmp_path / "run", ranks=2).stdout
+    assert "step 4: due at this step and not in metrics.jsonl" in last and "done: completed at step 4/4" in last
+    assert "already complete" in run_train(reference, tmp_path / "run").stdout  # nothing left to redo
+    run_train(reference, tmp_path / "reference", ranks=2)
+
+    def evaluations(run: Path) -> list[dict]:
+        return [row for row in metrics(run) if "val_loss" in row or "extrapolation_ppl_x1" in row]
+
+    redone, uninterrupted = evaluations(tmp_path / "run"), evaluations(tmp_path / "reference")
+    assert [row["step"] for row in redone] == [0, 2, 2, 4, 4]  # at the start, then validation, long context
+    for row, expected in zip(redone, uninterrupted, strict=True):
+        assert row.keys() == expected.keys()
+        assert {key: value for key, value in row.items() if key != "extrapolation_seconds"} == {
+            key: value for key, value in expected.items() if key != "extrapolation_seconds"}
+    assert train_losses(tmp_path / "run") == train_losses(tmp_path / "reference")
 
 
 def test_missing_books_stop_before_training(training_corpus, tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ class TrainingData:
                 ) -> tuple[DataLoader, DataLoader | None]:
         """This rank's training stream from ``consumed_samples`` and its validation stream."""
         train = config.train
-        num_valid = validation_samples(config) if train.eval_interval else 0
+        num_valid = validation_samples(config) if validates(config) else 0
         train_set, valid_set = build_train_valid_datasets(
             config.data, config.model.seq_length, self.manifest, self.total_steps * batch.global_batch_size, num_valid,
             rank=dist_info.data_parallel_rank, world_size=dist_info.data_parallel_size,
@@ -65,6 +65,12 @@ class TrainingData:
         valid_loader = (None if valid_set is None else
                         sample_loader(valid_set, **common, purpose="valid", drop_last=False))
         return train_loader, valid_loader
+
+
+def validates(config: Config) -> bool:
+    """Whether the run has a validation set (``loaders`` gives a validation loader): train.eval_interval set, and
+    samples to hold out (data.validation_fraction, train.eval_iters)."""
+    return bool(config.train.eval_interval) and config.data.validation_fraction > 0 and validation_samples(config) > 0
 
 
 def validation_samples(config: Config) -> int:

@@ -25,10 +25,11 @@ from megatron_lite.training.checkpointing import (
     ResumePlan, TrainingState, check_resume_compatible, find_resume_checkpoint, load_counters, load_training_state,
     plan_resume, restore_rng_state, save_checkpoint,
 )
-from megatron_lite.training.data import TrainingData, prepare_training_data
+from megatron_lite.training.data import TrainingData, prepare_training_data, validates
 from megatron_lite.training.deepspeed_config import BatchSizes, resolve_batch_sizes
 from megatron_lite.training.distributed import DistributedInfo, barrier, init_distributed
 from megatron_lite.training.engine import StagedEngine, compile_announcement, resumes_weights_only, start_engine
+from megatron_lite.training.evaluations import EXTRAPOLATION, due_evaluations, missing_evaluations, run_evaluations
 from megatron_lite.training.exit_codes import exit_code_for
 from megatron_lite.training.extrapolation import ExtrapolationEval
 from megatron_lite.training.identity import TokenizerChange, tokenizer_change
@@ -41,7 +42,7 @@ from megatron_lite.training.sequence_parallel import with_sequence_parallel
 from megatron_lite.training.stages import Stage, plan_stages
 from megatron_lite.training.step import micro_batches, take_step
 from megatron_lite.training.stopping import (
-    CONTINUE, Action, Decision, EvaluationInterrupted, StepEnd, StopPolicies, StopRequest, evaluation_interrupt_check,
+    CONTINUE, Action, Decision, StepEnd, StopPolicies, StopRequest, evaluation_interrupt_check,
 )
 
 
@@ -96,10 +97,14 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
 
     resume_dir = find_resume_checkpoint(resume, run_dir, dist_info)
     marker: dict[str, Any] = {}
+    redo: list[str] = []  # the evaluations due at the resumed step without a row (a stop dropped them)
     if resume_dir is not None:
         check_resume_compatible(resume_dir, config)
         marker = checkpoint_dirs.read_complete_marker(resume_dir)
-        if marker["step"] >= data.total_steps:
+        if marker["step"] <= data.total_steps:
+            redo = missing_evaluations(run_dir / "metrics.jsonl", marker["step"], due_evaluations(
+                config.train, marker["step"], data.total_steps, validates(config), extrapolation), dist_info)
+        if marker["step"] >= data.total_steps and not redo:
             return _already_complete(run_dir, resume_dir, marker, data.total_steps, dist_info)
     changed_tokenizer = _tokenizer_change(config, resume_dir, data.tokenizer_path)
     # decided before deepspeed.initialize, which fixes checkpoint.load_universal
@@ -131,21 +136,21 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     injected = set(train.fault_injection.nonfinite_loss_steps)
     iterator = iter(train_loader)
     samples = SampleIndexRecorder(run_dir, dist_info, train.record_sample_indices, state.step)
-    if resume_dir is not None:
-        restore_rng_state(resume_dir, dist_info, config.seed, state.step)
     decision = CONTINUE
     profiler = StepProfiler(train.profile, run_dir, dist_info.rank, dist_info.device)
     with StopRequest() as stop, report.closed_on_error(), profiler:
+        side_work_start = time.perf_counter()
         if extrapolation is not None and state.step == 0 and train.extrapolation_eval.at_start:
-            side_work_start = time.perf_counter()
-            try:
-                with staged.evaluating():
-                    report.extrapolation(extrapolation, staged.engine, state, evaluation_interrupt_check(
-                        stop, dist_info.device, dist_info.world_size))
-            except EvaluationInterrupted:  # the first step sees the signal and saves
+            _, dropped = run_evaluations([EXTRAPOLATION], staged, report, state, None, extrapolation,
+                                         evaluation_interrupt_check(stop, dist_info.device, dist_info.world_size))
+            if dropped:  # the first step sees the signal and saves
                 _say_evaluation_dropped(dist_info, state.step, stop)
-            report.throughput.exclude_since(side_work_start)
-        while state.step < data.total_steps:
+        if redo:
+            decision = _redo_evaluations(redo, staged, report, state, valid_loader, extrapolation, stop, result)
+        report.throughput.exclude_since(side_work_start)
+        if resume_dir is not None:  # after the redone evaluations: training goes on with the checkpoint's generators
+            restore_rng_state(resume_dir, dist_info, config.seed, state.step)
+        while decision.action is not Action.STOP and state.step < data.total_steps:
             lr = run_learning_rate(state.step, data.total_steps, train)
             batches = micro_batches(iterator, batch_sizes.gradient_accumulation_steps)
             samples.record(state.step + 1, batches)
@@ -166,21 +171,15 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
             end = policies.step_end(state.step, stop.received(on_any_rank=outcome.signalled))
             side_work_start = time.perf_counter()
             profiler.after_step(state.step)  # the window's last step: its files written, not training time
-            validation_due = (valid_loader is not None and bool(train.eval_interval)
-                              and (state.step % train.eval_interval == 0 or end.last))
-            extrapolation_due = extrapolation is not None and extrapolation.due(state.step, end.last)
-            if validation_due or extrapolation_due:
+            due = due_evaluations(train, state.step, data.total_steps, valid_loader is not None, extrapolation)
+            if due:
                 # a signal, received before or during the evaluation, drops it: the grace period is short
                 sigterm_now = dist_info.is_main and train.fault_injection.sigterm_during_evaluation_step == state.step
-                check_interrupt = evaluation_interrupt_check(stop, dist_info.device, dist_info.world_size, sigterm_now)
-                try:
-                    with staged.evaluating():
-                        if validation_due:
-                            result.val_loss = report.validation(staged.engine, valid_loader, state.step,
-                                                                check_interrupt)
-                        if extrapolation_due:
-                            report.extrapolation(extrapolation, staged.engine, state, check_interrupt)
-                except EvaluationInterrupted:
+                val_loss, dropped = run_evaluations(due, staged, report, state, valid_loader, extrapolation,
+                                                    evaluation_interrupt_check(stop, dist_info.device,
+                                                                               dist_info.world_size, sigterm_now))
+                result.val_loss = result.val_loss if val_loss is None else val_loss
+                if dropped:
                     _say_evaluation_dropped(dist_info, state.step, stop)
                     end = policies.step_end(state.step, stop.received(on_any_rank=True))
             saved = (save_checkpoint(staged.engine, run_dir, state, config, data.tokenizer_path, dist_info,
@@ -266,6 +265,25 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
 
 def _compiled_label(staged: StagedEngine) -> str:
     return " (compiled, CUDA graphs)" if staged.cuda_graphs else " (compiled)" if staged.compiled else ""
+
+
+def _redo_evaluations(kinds: list[str], staged: StagedEngine, report: StepReport, state: TrainingState,
+                      valid_loader: Any, extrapolation: ExtrapolationEval | None, stop: StopRequest,
+                      result: TrainingResult) -> Decision:
+    """The resumed step's evaluations that a stop dropped, before the next step; a signal during them stops the
+    run before that step (the checkpoint is still the resumed one, and the next resume redoes them again)."""
+    dist_info = staged.dist_info
+    if dist_info.is_main:
+        console(f"step {state.step}: due at this step and not in metrics.jsonl (a stop dropped it): "
+                f"{', '.join(kinds)}; evaluating before the next step")
+    val_loss, dropped = run_evaluations(kinds, staged, report, state, valid_loader, extrapolation,
+                                        evaluation_interrupt_check(stop, dist_info.device, dist_info.world_size))
+    result.val_loss = result.val_loss if val_loss is None else val_loss
+    if not dropped:
+        return CONTINUE
+    signal_name = stop.received(on_any_rank=True)
+    return Decision(Action.STOP, "signal", f"stopped by {signal_name} at step {state.step}, during its redone "
+                    "evaluation (dropped again: the next resume redoes it); resume with --resume auto")
 
 
 def _say_evaluation_dropped(dist_info: DistributedInfo, step: int, stop: StopRequest) -> None:
