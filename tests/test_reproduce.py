@@ -136,6 +136,31 @@ def test_toy_reproduction_end_to_end_and_resume(toy_books: tuple[Path, Path], tm
     assert training_status(out / "runs/rope", 3).finished
 
 
+def test_a_final_checkpoint_whose_step_lacks_an_evaluation_row_is_not_finished(tmp_path: Path) -> None:
+    """A stop in the last step's evaluation drops its rows (train.py's resume redoes them): with the run's config,
+    such a run is not finished, so the reproduction runs train.py again instead of skipping it."""
+    from megatron_lite import checkpoint_dirs
+
+    config = config_lib.with_overrides(config_lib.load("configs/tiny/rope.yml"), [
+        "train.eval_interval=4", "train.extrapolation_eval.interval=4", "train.extrapolation_eval.books=unused"])
+    step_dir = tmp_path / checkpoint_dirs.CHECKPOINTS_DIR / checkpoint_dirs.step_tag(6)
+    step_dir.mkdir(parents=True)
+    (step_dir / checkpoint_dirs.COMPLETE_MARKER).write_text(json.dumps({"step": 6, "world_size": 1}))
+    rows = [{"step": 6, "loss": 5.0}, {"step": 6, "stopped_by": "signal", "signal": "SIGTERM"}]
+
+    def finished(config_given: bool) -> bool:
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return training_status(tmp_path, 6, config if config_given else None).finished
+
+    assert finished(config_given=False)  # the step alone: the final checkpoint
+    assert not finished(config_given=True)  # the last step is due both evaluations, and has neither row
+    rows.append({"step": 6, "val_loss": 4.0, "val_ppl": 54.6})
+    assert not finished(config_given=True)
+    rows.append({"step": 6, "tokens_seen": 99, "extrapolation_ppl_x1": 60.0})
+    assert finished(config_given=True)
+    assert not training_status(tmp_path, 8, config).finished  # another run length: not its final step
+
+
 def test_training_summary_counts_the_tokens_of_every_data_parallel_rank(tmp_path: Path) -> None:
     config = config_lib.load("configs/tiny/rope.yml")
     step_tokens = resolve_batch_sizes(config, 1).tokens_per_step(config.model.seq_length)

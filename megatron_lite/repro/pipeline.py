@@ -203,7 +203,7 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
         else:
             from megatron_lite.repro.training import training_summary
 
-            status = training_status(run_dir(settings, scheme), train_iters)
+            status = training_status(run_dir(settings, scheme), train_iters, configs[scheme])
             if {"eval", "report"} & set(settings.phases):
                 _require(settings, "train", status.finished, f"{scheme} is at step {status.step} of {train_iters}")
             training[scheme] = training_summary(run_dir(settings, scheme), configs[scheme], train_iters,

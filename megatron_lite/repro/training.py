@@ -31,17 +31,26 @@ class TrainingFailed(RuntimeError):
 class TrainingStatus:
     step: int  # step of the latest complete checkpoint; 0 when there is none
     checkpoint: Path | None
-    finished: bool  # that checkpoint is the final one (step == train_iters)
+    finished: bool  # that checkpoint is the final one (step == train_iters) and, given the config, has its evaluations
     data_parallel_size: int  # the ranks that trained it (its COMPLETE marker's world_size)
 
 
-def training_status(directory: Path, train_iters: int) -> TrainingStatus:
+def training_status(directory: Path, train_iters: int, config: Config | None = None) -> TrainingStatus:
+    """Where the run in ``directory`` stands; with its ``config``, a final checkpoint whose step lacks an
+    evaluation row (a stop dropped it: train.py runs it when resumed) is not finished."""
     latest = checkpoint_dirs.latest_complete(directory / checkpoint_dirs.CHECKPOINTS_DIR)
     if latest is None:
         return TrainingStatus(0, None, False, TRAIN_COMMAND_RANKS)
     marker = checkpoint_dirs.read_complete_marker(latest)
     step = int(marker["step"])
-    return TrainingStatus(step, latest, step == train_iters, int(marker.get("world_size", TRAIN_COMMAND_RANKS)))
+    finished = step == train_iters
+    if finished and config is not None:
+        from megatron_lite.training.evaluations import due_evaluations, lacking_rows
+        from megatron_lite.training.metrics import read_metrics
+
+        finished = not lacking_rows(read_metrics(directory / "metrics.jsonl"), step,
+                                    due_evaluations(config, step, train_iters))
+    return TrainingStatus(step, latest, finished, int(marker.get("world_size", TRAIN_COMMAND_RANKS)))
 
 
 def launched_through_deepspeed(settings: ReproSettings) -> bool:
@@ -198,7 +207,7 @@ def train_scheme(settings: ReproSettings, scheme: str, config: Config, train_ite
                  extra_env: dict[str, str] | None = None) -> dict[str, Any]:
     """Skip a finished model, else run train.py (resuming from the latest complete checkpoint)."""
     directory = run_dir_of(settings, scheme)
-    before = training_status(directory, train_iters)
+    before = training_status(directory, train_iters, config)
     if before.step > train_iters:
         raise ValueError(f"--train-iters {train_iters}: {directory} already holds a checkpoint at step {before.step}; "
                          "use the original --train-iters or a fresh --out")
@@ -211,7 +220,7 @@ def train_scheme(settings: ReproSettings, scheme: str, config: Config, train_ite
     exit_code = run_logged(train_command(settings, scheme, train_iters), log_path, settings.progress,
                            settings.threads, extra_env,
                            signal_ranks=launched_through_deepspeed(settings) and settings.paper.hostfile is None)
-    after = training_status(directory, train_iters)
+    after = training_status(directory, train_iters, config)
     if exit_code != 0:
         raise TrainingFailed(f"train.py for {scheme} exited with code {exit_code} (log {log_path}):\n"
                              f"{_log_tail(log_path)}")

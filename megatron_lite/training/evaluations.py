@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from torch.utils.data import DataLoader
 
-from megatron_lite.config import TrainConfig
+from megatron_lite.config import Config
 from megatron_lite.training import metrics as metrics_lib
 from megatron_lite.training.checkpointing import TrainingState
+from megatron_lite.training.data import validates
 from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum
 from megatron_lite.training.engine import StagedEngine
 from megatron_lite.training.extrapolation import ExtrapolationEval, ppl_key
@@ -27,28 +29,34 @@ VALIDATION, EXTRAPOLATION = "validation", "extrapolation"
 ROW_KEYS = {VALIDATION: "val_loss", EXTRAPOLATION: ppl_key(1)}
 
 
-def due_evaluations(train: TrainConfig, step: int, total_steps: int, validates: bool,
-                    extrapolation: ExtrapolationEval | None) -> list[str]:
-    """The evaluations due after ``step`` (every interval, and at the run's last step), in the order they run.
-    ``validates``: the run has a validation set (train.eval_interval set, and data to hold out)."""
+def due_evaluations(config: Config, step: int, total_steps: int) -> list[str]:
+    """The evaluations due after ``step`` (each at its interval, and at the run's last step), in the order they
+    run: validation where the run has a validation set (``validates``), the long-context curve where it is on."""
     last = step == total_steps
     due = []
-    if validates and train.eval_interval and (step % train.eval_interval == 0 or last):
+    if validates(config) and (step % config.train.eval_interval == 0 or last):
         due.append(VALIDATION)
-    if extrapolation is not None and extrapolation.due(step, last):
+    interval = config.train.extrapolation_eval.interval
+    if interval and (step % interval == 0 or last):
         due.append(EXTRAPOLATION)
     return due
 
 
+def lacking_rows(rows: list[dict[str, Any]], step: int, due: list[str]) -> list[str]:
+    """Of ``due`` (at ``step``), those without a row at that step among a run's metrics ``rows``."""
+    at_step = [row for row in rows if row.get("step") == step]
+    return [kind for kind in due if not any(ROW_KEYS[kind] in row for row in at_step)]
+
+
 def missing_evaluations(metrics_path: Path, step: int, due: list[str], dist_info: DistributedInfo) -> list[str]:
-    """Of ``due`` (at ``step``), those without a row at that step in ``metrics_path``: rank 0 reads it, and every
-    rank gets its answer (every rank runs every evaluation)."""
+    """``lacking_rows`` of the run's metrics.jsonl: rank 0 reads it, and every rank gets its answer (every rank
+    runs every evaluation)."""
     if not due:
         return []
     missing = [0.0] * len(due)
     if dist_info.is_main:
-        rows = [row for row in metrics_lib.read_metrics(metrics_path) if row.get("step") == step]
-        missing = [0.0 if any(ROW_KEYS[kind] in row for row in rows) else 1.0 for kind in due]
+        lacking = lacking_rows(metrics_lib.read_metrics(metrics_path), step, due)
+        missing = [float(kind in lacking) for kind in due]
     if dist_info.world_size > 1:
         missing = all_reduce_sum(missing, dist_info.device)
     return [kind for kind, flag in zip(due, missing) if flag > 0]

@@ -134,9 +134,6 @@ class ExtrapolationEval:
                 + (f", scalings {', '.join(s.name for s in self.scalings[1:])}" if len(self.scalings) > 1 else "")
                 + skipped)
 
-    def due(self, step: int, last: bool) -> bool:
-        return bool(self.settings.interval) and (step % self.settings.interval == 0 or last)
-
     def evaluate(self, engine: Any, check_interrupt: Callable[[], None] = lambda: None) -> dict[str, float]:
         """Perplexity at every window (and scaling) and each ratio to 1x, plus the seconds it took;
         ``check_interrupt`` runs before each batch (and may raise to stop: a run's stop signal)."""

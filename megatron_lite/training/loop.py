@@ -25,7 +25,7 @@ from megatron_lite.training.checkpointing import (
     ResumePlan, TrainingState, check_resume_compatible, find_resume_checkpoint, load_counters, load_training_state,
     plan_resume, restore_rng_state, save_checkpoint,
 )
-from megatron_lite.training.data import TrainingData, prepare_training_data, validates
+from megatron_lite.training.data import TrainingData, prepare_training_data
 from megatron_lite.training.deepspeed_config import BatchSizes, resolve_batch_sizes
 from megatron_lite.training.distributed import DistributedInfo, barrier, init_distributed
 from megatron_lite.training.engine import StagedEngine, compile_announcement, resumes_weights_only, start_engine
@@ -102,8 +102,8 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
         check_resume_compatible(resume_dir, config)
         marker = checkpoint_dirs.read_complete_marker(resume_dir)
         if marker["step"] <= data.total_steps:
-            redo = missing_evaluations(run_dir / "metrics.jsonl", marker["step"], due_evaluations(
-                config.train, marker["step"], data.total_steps, validates(config), extrapolation), dist_info)
+            redo = missing_evaluations(run_dir / "metrics.jsonl", marker["step"],
+                                       due_evaluations(config, marker["step"], data.total_steps), dist_info)
         if marker["step"] >= data.total_steps and not redo:
             return _already_complete(run_dir, resume_dir, marker, data.total_steps, dist_info)
     changed_tokenizer = _tokenizer_change(config, resume_dir, data.tokenizer_path)
@@ -171,7 +171,7 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
             end = policies.step_end(state.step, stop.received(on_any_rank=outcome.signalled))
             side_work_start = time.perf_counter()
             profiler.after_step(state.step)  # the window's last step: its files written, not training time
-            due = due_evaluations(train, state.step, data.total_steps, valid_loader is not None, extrapolation)
+            due = due_evaluations(config, state.step, data.total_steps)
             if due:
                 # a signal, received before or during the evaluation, drops it: the grace period is short
                 sigterm_now = dist_info.is_main and train.fault_injection.sigterm_during_evaluation_step == state.step
