@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
 from torch.utils.data import DataLoader
 
 from megatron_lite.config import Config
