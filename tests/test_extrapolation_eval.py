@@ -256,8 +256,8 @@ def test_a_sigterm_during_an_evaluation_saves_the_step_at_once_and_the_resume_re
 
     # --resume auto, stopped again in the evaluation of the last step (4), then resumed there once more
     resumed = run_train(stopped_at(4), tmp_path / "run", ranks=2).stdout
-    assert ("step 2: due at this step and not in metrics.jsonl (a stop dropped it): validation, extrapolation; "
-            "evaluating before the next step") in resumed
+    assert ("step 2: due at this step and not in metrics.jsonl: validation, extrapolation; evaluating before the "
+            "next step") in resumed
     assert "stopped by SIGTERM at step 4; resume with --resume auto" in resumed
     last = run_train(reference, tmp_path / "run", ranks=2).stdout
     assert "step 4: due at this step and not in metrics.jsonl" in last and "done: completed at step 4/4" in last

@@ -274,8 +274,8 @@ def _redo_evaluations(kinds: list[str], staged: StagedEngine, report: StepReport
     run before that step (the checkpoint is still the resumed one, and the next resume redoes them again)."""
     dist_info = staged.dist_info
     if dist_info.is_main:
-        console(f"step {state.step}: due at this step and not in metrics.jsonl (a stop dropped it): "
-                f"{', '.join(kinds)}; evaluating before the next step")
+        console(f"step {state.step}: due at this step and not in metrics.jsonl: {', '.join(kinds)}; evaluating "
+                "before the next step")
     val_loss, dropped = run_evaluations(kinds, staged, report, state, valid_loader, extrapolation,
                                         evaluation_interrupt_check(stop, dist_info.device, dist_info.world_size))
     result.val_loss = result.val_loss if val_loss is None else val_loss
