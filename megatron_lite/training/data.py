@@ -49,7 +49,7 @@ class TrainingData:
                 ) -> tuple[DataLoader, DataLoader | None]:
         """This rank's training stream from ``consumed_samples`` and its validation stream."""
         train = config.train
-        num_valid = validation_samples(config) if validates(config) else 0
+        num_valid = validation_samples(config) if train.eval_interval else 0  # None below unless validates(config)
         train_set, valid_set = build_train_valid_datasets(
             config.data, config.model.seq_length, self.manifest, self.total_steps * batch.global_batch_size, num_valid,
             rank=dist_info.data_parallel_rank, world_size=dist_info.data_parallel_size,
