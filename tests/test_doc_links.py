@@ -113,3 +113,18 @@ def test_dead_links_are_found(tmp_path: Path) -> None:
     assert len(problems) == 3, problems
     assert "(missing.md) no such file" in problems[0] and "#not-a-heading" in problems[1]
     assert "(missing.png) no such file" in problems[2]
+
+
+# a test named in the docs, in inline code: `test_name`, `tests/file.py::test_name[case]`, `file.py`: `test_name`
+NAMED_TEST = re.compile(r"(?<![\w.])(test_\w+)")
+
+
+def test_every_test_the_docs_name_exists() -> None:
+    """A claim's evidence stays findable: a test renamed or removed without its mention fails here."""
+    defined = {name for path in (REPO / "tests").glob("*.py")
+               for name in re.findall(r"^\s*(?:async )?def (test_\w+)", path.read_text(), flags=re.M)}
+    defined |= {path.stem for path in (REPO / "tests").glob("test_*.py")}  # a file named without its .py
+    missing = [f"{path.relative_to(REPO)}:{number}: {name}" for path in DOCUMENTS for number, line in prose_lines(
+        path.read_text()) for code in INLINE_CODE.findall(line) for name in NAMED_TEST.findall(code[1])
+        if name not in defined]
+    assert len(defined) > 500 and not missing, missing
