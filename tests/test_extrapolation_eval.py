@@ -254,6 +254,11 @@ def test_a_sigterm_during_an_evaluation_saves_the_step_at_once_and_the_resume_re
     assert not [row for row in rows if "val_loss" in row]
     assert rows[-1] == {"step": 2, "stopped_by": "signal", "signal": "SIGTERM"}
 
+    # resumed with the fault again: a SIGTERM in the redone evaluation stops the run before its next step
+    again = run_train(config, tmp_path / "run", ranks=2).stdout
+    assert "stopped by SIGTERM at step 2, during its redone evaluation (dropped again" in again
+    assert checkpoint_dirs.latest_complete(tmp_path / "run" / checkpoint_dirs.CHECKPOINTS_DIR) == final
+    assert not [row for row in metrics(tmp_path / "run") if "val_loss" in row]
     # --resume auto, stopped again in the evaluation of the last step (4), then resumed there once more
     resumed = run_train(stopped_at(4), tmp_path / "run", ranks=2).stdout
     assert ("step 2: due at this step and not in metrics.jsonl: validation, extrapolation; evaluating before the "

@@ -312,8 +312,8 @@ class FaultInjectionConfig:
         "Raise OSError while saving this step's checkpoint (simulates a full disk).", default=None)
     sigterm_during_evaluation_step: int | None = _doc(
         "Send rank 0 SIGTERM as the first batch of this step's evaluation (validation, or else the "
-        "extrapolation evaluation) starts: a scheduler's stop arriving mid-evaluation; the other ranks learn of "
-        "it from the ranks' agreement.", default=None)
+        "extrapolation evaluation) starts, also where a resumed run redoes that evaluation: a scheduler's stop "
+        "arriving mid-evaluation; the other ranks learn of it from the ranks' agreement.", default=None)
     kill_after_step: int | None = _doc(
         "SIGKILL this process right after this optimizer step (1-based) is taken and logged, before any "
         "checkpoint of it (simulates a crash mid-training).", default=None)

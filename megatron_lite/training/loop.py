@@ -146,7 +146,9 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
             if dropped:  # the first step sees the signal and saves
                 _say_evaluation_dropped(dist_info, state.step, stop)
         if redo:
-            decision = _redo_evaluations(redo, staged, report, state, valid_loader, extrapolation, stop, result)
+            inject = dist_info.is_main and train.fault_injection.sigterm_during_evaluation_step == state.step
+            decision = _redo_evaluations(redo, staged, report, state, valid_loader, extrapolation, stop, result,
+                                         inject)
         report.throughput.exclude_since(side_work_start)
         if resume_dir is not None:  # after the redone evaluations: training goes on with the checkpoint's generators
             restore_rng_state(resume_dir, dist_info, config.seed, state.step)
@@ -269,15 +271,17 @@ def _compiled_label(staged: StagedEngine) -> str:
 
 def _redo_evaluations(kinds: list[str], staged: StagedEngine, report: StepReport, state: TrainingState,
                       valid_loader: Any, extrapolation: ExtrapolationEval | None, stop: StopRequest,
-                      result: TrainingResult) -> Decision:
+                      result: TrainingResult, inject_sigterm: bool) -> Decision:
     """The resumed step's evaluations that a stop dropped, before the next step; a signal during them stops the
-    run before that step (the checkpoint is still the resumed one, and the next resume redoes them again)."""
+    run before that step (the checkpoint is still the resumed one, and the next resume redoes them again).
+    ``inject_sigterm``: train.fault_injection.sigterm_during_evaluation_step names this step (rank 0)."""
     dist_info = staged.dist_info
     if dist_info.is_main:
         console(f"step {state.step}: due at this step and not in metrics.jsonl: {', '.join(kinds)}; evaluating "
                 "before the next step")
     val_loss, dropped = run_evaluations(kinds, staged, report, state, valid_loader, extrapolation,
-                                        evaluation_interrupt_check(stop, dist_info.device, dist_info.world_size))
+                                        evaluation_interrupt_check(stop, dist_info.device, dist_info.world_size,
+                                                                   inject_sigterm))
     result.val_loss = result.val_loss if val_loss is None else val_loss
     if not dropped:
         return CONTINUE
