@@ -139,16 +139,29 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     decision = CONTINUE
     profiler = StepProfiler(train.profile, run_dir, dist_info.rank, dist_info.device)
     with StopRequest() as stop, report.closed_on_error(), profiler:
+        def evaluate(kinds: list[str]) -> bool:
+            """``kinds`` at this step, their rows logged; whether a stop signal dropped them. A signal, received
+            before or during an evaluation, drops it: a scheduler's grace period is short. With
+            train.fault_injection.sigterm_during_evaluation_step at this step rank 0 sends itself one first."""
+            inject = dist_info.is_main and train.fault_injection.sigterm_during_evaluation_step == state.step
+            val_loss, dropped = run_evaluations(kinds, staged, report, state, valid_loader, extrapolation,
+                                                evaluation_interrupt_check(stop, dist_info.device,
+                                                                           dist_info.world_size, inject))
+            result.val_loss = result.val_loss if val_loss is None else val_loss
+            return dropped
+
         side_work_start = time.perf_counter()
         if extrapolation is not None and state.step == 0 and train.extrapolation_eval.at_start:
-            _, dropped = run_evaluations([EXTRAPOLATION], staged, report, state, None, extrapolation,
-                                         evaluation_interrupt_check(stop, dist_info.device, dist_info.world_size))
-            if dropped:  # the first step sees the signal and saves
+            if evaluate([EXTRAPOLATION]):  # the first step sees the signal and saves
                 _say_evaluation_dropped(dist_info, state.step, stop)
-        if redo:
-            inject = dist_info.is_main and train.fault_injection.sigterm_during_evaluation_step == state.step
-            decision = _redo_evaluations(redo, staged, report, state, valid_loader, extrapolation, stop, result,
-                                         inject)
+        if redo:  # the resumed step's evaluations that a stop dropped, before the next step
+            if dist_info.is_main:
+                console(f"step {state.step}: due at this step and not in metrics.jsonl: {', '.join(redo)}; "
+                        "evaluating before the next step")
+            if evaluate(redo):  # stopped again: before any step, so the next resume redoes them again
+                decision = Decision(Action.STOP, "signal", f"stopped by {stop.received(on_any_rank=True)} at step "
+                                    f"{state.step}, during its redone evaluation (dropped again: the next resume "
+                                    "redoes it); resume with --resume auto")
         report.throughput.exclude_since(side_work_start)
         if resume_dir is not None:  # after the redone evaluations: training goes on with the checkpoint's generators
             restore_rng_state(resume_dir, dist_info, config.seed, state.step)
@@ -174,16 +187,9 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
             side_work_start = time.perf_counter()
             profiler.after_step(state.step)  # the window's last step: its files written, not training time
             due = due_evaluations(config, state.step, data.total_steps)
-            if due:
-                # a signal, received before or during the evaluation, drops it: the grace period is short
-                sigterm_now = dist_info.is_main and train.fault_injection.sigterm_during_evaluation_step == state.step
-                val_loss, dropped = run_evaluations(due, staged, report, state, valid_loader, extrapolation,
-                                                    evaluation_interrupt_check(stop, dist_info.device,
-                                                                               dist_info.world_size, sigterm_now))
-                result.val_loss = result.val_loss if val_loss is None else val_loss
-                if dropped:
-                    _say_evaluation_dropped(dist_info, state.step, stop)
-                    end = policies.step_end(state.step, stop.received(on_any_rank=True))
+            if due and evaluate(due):
+                _say_evaluation_dropped(dist_info, state.step, stop)
+                end = policies.step_end(state.step, stop.received(on_any_rank=True))
             saved = (save_checkpoint(staged.engine, run_dir, state, config, data.tokenizer_path, dist_info,
                                      train.keep_last_checkpoints, ending=_ending_at(end, stop.signal_name))
                      if end.save else None)
@@ -267,27 +273,6 @@ def _announce(config: Config, batch_sizes: BatchSizes, data: TrainingData, stage
 
 def _compiled_label(staged: StagedEngine) -> str:
     return " (compiled, CUDA graphs)" if staged.cuda_graphs else " (compiled)" if staged.compiled else ""
-
-
-def _redo_evaluations(kinds: list[str], staged: StagedEngine, report: StepReport, state: TrainingState,
-                      valid_loader: Any, extrapolation: ExtrapolationEval | None, stop: StopRequest,
-                      result: TrainingResult, inject_sigterm: bool) -> Decision:
-    """The resumed step's evaluations that a stop dropped, before the next step; a signal during them stops the
-    run before that step (the checkpoint is still the resumed one, and the next resume redoes them again).
-    ``inject_sigterm``: train.fault_injection.sigterm_during_evaluation_step names this step (rank 0)."""
-    dist_info = staged.dist_info
-    if dist_info.is_main:
-        console(f"step {state.step}: due at this step and not in metrics.jsonl: {', '.join(kinds)}; evaluating "
-                "before the next step")
-    val_loss, dropped = run_evaluations(kinds, staged, report, state, valid_loader, extrapolation,
-                                        evaluation_interrupt_check(stop, dist_info.device, dist_info.world_size,
-                                                                   inject_sigterm))
-    result.val_loss = result.val_loss if val_loss is None else val_loss
-    if not dropped:
-        return CONTINUE
-    signal_name = stop.received(on_any_rank=True)
-    return Decision(Action.STOP, "signal", f"stopped by {signal_name} at step {state.step}, during its redone "
-                    "evaluation (dropped again: the next resume redoes it); resume with --resume auto")
 
 
 def _say_evaluation_dropped(dist_info: DistributedInfo, step: int, stop: StopRequest) -> None:
