@@ -273,3 +273,36 @@ def test_cuda_graphs_train_as_the_plain_compiled_regions() -> None:
 
 if __name__ == "__main__" and sys.argv[1:] == ["cuda-graphs-training"]:
     print(json.dumps(cuda_graphs_training_worker()))
+
+
+def default_graphs_runs(root: Any) -> dict[str, Any]:
+    """train.py as a user runs it, bf16 at ZeRO 1 with float32 sums and every compile setting at its default: stopped
+    at step 4 by train.exit_interval and resumed to step 8, and an uninterrupted run with train.cuda_graphs=false.
+    Returns each run's stdout (both attempts of the first) and per-step losses."""
+    from training_helpers import make_corpus, run_train, tiny_train_config, train_losses, write_config
+
+    base = tiny_train_config(make_corpus(root / "corpus"), root / "cache", zero_stage=1, grad_accum_dtype="fp32",
+                             save_interval=4, eval_interval=4)
+    base["precision"] = "bf16"
+    stopped = write_config(root / "stopped.yml", {**base, "train": {**base["train"], "exit_interval": 4}})
+    plain = write_config(root / "plain.yml", {**base, "train": {**base["train"], "cuda_graphs": False}})
+    first, resumed = run_train(stopped, root / "graphs"), run_train(stopped, root / "graphs")
+    reference = run_train(plain, root / "plain")
+    return {"stdout": [first.stdout, resumed.stdout, reference.stdout],
+            "losses": [train_losses(root / "graphs"), train_losses(root / "plain")]}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_by_default_train_save_and_resume_as_without(tmp_path: Any) -> None:
+    """The default train.cuda_graphs (null) on a GPU: a bf16 ZeRO-1 run with float32 sums trains with CUDA graphs,
+    saves, resumes with them (graphs recorded anew over the loaded parameters) and ends where a run without them
+    does, to bf16 noise."""
+    runs = default_graphs_runs(tmp_path)
+    first, resumed, reference = runs["stdout"]
+    assert "(compiled, CUDA graphs)" in first and "(compiled, CUDA graphs)" in resumed, first
+    assert "resumed from" in resumed and "(compiled)," in reference
+    graphs, plain = runs["losses"]
+    assert sorted(graphs) == sorted(plain) == list(range(1, 9))
+    torch.testing.assert_close([graphs[step] for step in range(1, 9)], [plain[step] for step in range(1, 9)],
+                               rtol=2e-2, atol=2e-2)

@@ -131,7 +131,8 @@ def test_sections_and_batch_search() -> None:
 def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> None:
     board = tmp_path / "board.md"
     arguments = ["--quick", "--smoke", "--schemes", "rope", "--loss-gemm", "mixed,input_dtype", "--out", str(tmp_path),
-                 "--users-micro-batch", "16,64", "--users-cuda-graphs", "16", "--users-cpp-wrapper", "16"]
+                 "--users-micro-batch", "16,64", "--users-no-cuda-graphs", "16",
+                 "--users-cpp-wrapper", "16"]
     assert load_script("tools/gpu_check.py").main([*arguments, "--board", str(board)]) == 0
     results = json.loads((tmp_path / "gpu_check.json").read_text())
     assert list(results) == list(gpu_check_settings.QUICK_SECTIONS)
@@ -149,13 +150,13 @@ def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> 
     assert rows[("rope", "compiled", "mixed")]["compile"] == "regional"
     assert rows[("hf_twin", "compiled", None)]["compile"] == "model.compile()"
     assert all(row["status"].startswith("skipped: --smoke") for (_, mode, _), row in rows.items() if mode == "compiled")
-    users = results["users_command"]["rows"]  # a run per --users-micro-batch, then per --users-cuda-graphs value,
+    users = results["users_command"]["rows"]  # a run per --users-micro-batch, then per --users-no-cuda-graphs value,
     # then per --users-cpp-wrapper value
     assert [(row["status"], row["micro_batch"], row["variant"]) for row in users] == [
-        ("skipped: no CUDA", 16, "-"), ("skipped: no CUDA", 64, "-"), ("skipped: no CUDA", 16, "cudagraphs"),
+        ("skipped: no CUDA", 16, "-"), ("skipped: no CUDA", 64, "-"), ("skipped: no CUDA", 16, "no_cuda_graphs"),
         ("skipped: no CUDA", 16, "cpp_wrapper")]
     assert users[1]["command"] == users_command.SHOWN_COMMAND + " --set train.train_micro_batch_size_per_gpu=64"
-    assert users[2]["command"].endswith("=16 --set train.cuda_graphs=true")
+    assert users[2]["command"].endswith("=16 --set train.cuda_graphs=false")
     assert users[3]["command"].endswith("=16 --set train.compile_cpp_wrapper=true")
     assert "## users_command" in (tmp_path / "gpu_check.md").read_text()
 
@@ -183,8 +184,8 @@ def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> 
     (["--users-micro-batch", "16,x"], "--users-micro-batch 16,x: give micro batches as integers"),
     (["--users-micro-batch", "16,16"], "--users-micro-batch 16,16: give distinct positive micro batches"),
     (["--users-micro-batch", "0"], "--users-micro-batch 0: give distinct positive micro batches"),
-    (["--users-cuda-graphs", "16,y"], "--users-cuda-graphs 16,y: give micro batches as integers"),
-    (["--users-cuda-graphs", "0"], "--users-cuda-graphs 0: give distinct positive micro batches"),
+    (["--users-no-cuda-graphs", "16,y"], "--users-no-cuda-graphs 16,y: give micro batches as integers"),
+    (["--users-no-cuda-graphs", "0"], "--users-no-cuda-graphs 0: give distinct positive micro batches"),
     (["--users-cpp-wrapper", "16,16"], "--users-cpp-wrapper 16,16: give distinct positive micro batches"),
     (["--sdpa-kernel", "auto,fa3"], "--sdpa-kernel auto,fa3: unknown kernel(s) fa3"),
     (["--vocab-size", "100"], "--mix, --tokenizer and --vocab-size go together"),
@@ -323,8 +324,8 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
     assert at_64[-2:] == ["--set", "train.train_micro_batch_size_per_gpu=64"]  # laid over the config: last
     assert at_64[:-2] == [word for word in arguments if word not in ("--master_port", "29555")]
     graphed = users_command.users_arguments(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "run",
-                                            tmp_path / "cache", micro_batch=16, variant="cudagraphs")
-    assert graphed[-4:] == ["--set", "train.train_micro_batch_size_per_gpu=16", "--set", "train.cuda_graphs=true"]
+                                            tmp_path / "cache", micro_batch=16, variant="no_cuda_graphs")
+    assert graphed[-4:] == ["--set", "train.train_micro_batch_size_per_gpu=16", "--set", "train.cuda_graphs=false"]
     wrapped = users_command.users_arguments(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "run",
                                             tmp_path / "cache", variant="cpp_wrapper")
     assert wrapped[-2:] == ["--set", "train.compile_cpp_wrapper=true"]
@@ -365,7 +366,7 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
 def test_the_prepared_gpu_calls_still_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """docs/gpu_runs/next/'s calls are run as they are by the next session lent a GPU (15 minutes, no room for a
     typo): each is valid bash, call A's gpu_check arguments parse (a renamed flag or value fails here, not on the
-    node), and call B's users' variants and speedrun probe arguments exist."""
+    node), and call B's users' variants, its gpu_check arguments and its speedrun probe arguments exist."""
     calls = sorted((REPO / "docs/gpu_runs/next").glob("call_*.sh"))
     assert [call.name for call in calls] == ["call_a.sh", "call_b.sh"]
     for call in calls:
@@ -373,7 +374,7 @@ def test_the_prepared_gpu_calls_still_parse(tmp_path: Path, capsys: pytest.Captu
     call_a = calls[0].read_text().replace("\\\n", " ")
     (line,) = [line for line in call_a.splitlines() if "tools/gpu_one_call.sh" in line and not line.startswith("#")]
     check_arguments = shlex.split(line.split('"$OUT"', 1)[1])
-    assert "--users-cuda-graphs" in check_arguments
+    assert "--users-micro-batch" in check_arguments
     # every argument parsed and checked; the board-only path then stops at the empty OUT
     code = load_script("tools/gpu_check.py").main([*check_arguments, "--quick", "--out", str(tmp_path), "--board-only",
                                                    "--board", str(tmp_path / "board.md")])
@@ -387,6 +388,12 @@ def test_the_prepared_gpu_calls_still_parse(tmp_path: Path, capsys: pytest.Captu
         if variant:  # its setting applies to the users' config, and names only settings torch's inductor has
             varied = config_lib.with_overrides(users_config, list(users_command.USERS_VARIANTS[variant]))
             inductor_settings(varied.train.compile_options)
+    (check_b,) = re.findall(r"python3 tools/gpu_check\.py (.*?) >", call_b.replace("\\\n", " "))
+    check_arguments = [word.replace("/tmp/check_16", str(tmp_path / "b")) for word in shlex.split(check_b)
+                       if word != "--no-board"]
+    code = load_script("tools/gpu_check.py").main([*check_arguments, "--board-only", "--board",
+                                                   str(tmp_path / "board.md")])
+    assert code == EXIT_USER_ERROR and "holds no gpu_check.json" in capsys.readouterr().err
     (probe,) = re.findall(r"python3 tools/reproduce\.py (.*?) >", call_b.replace("\\\n", " "))
     arguments = shlex.split(probe.replace("$graphs", "true"))
     load_script("tools/reproduce.py").parse_args(arguments)

@@ -85,9 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--users-micro-batch", default=None, metavar="N,...",
                         help="users_command: one run per micro batch (the global batch stays the config's 256; "
                              "default: the config's 16)")
-    parser.add_argument("--users-cuda-graphs", default=None, metavar="N,...",
-                        help="users_command: one more run per micro batch given here, with train.cuda_graphs=true "
-                             "(inductor's CUDA graphs for the compiled blocks; default: none)")
+    parser.add_argument("--users-no-cuda-graphs", default=None, metavar="N,...",
+                        help="users_command: one more run per micro batch given here, with train.cuda_graphs=false "
+                             "(the config's runs replay the compiled regions as CUDA graphs by default on a GPU; "
+                             "default: none)")
     parser.add_argument("--users-cpp-wrapper", default=None, metavar="N,...",
                         help="users_command: one more run per micro batch given here, with "
                              "train.compile_cpp_wrapper=true (the compiled graphs launched from C++; default: none)")
@@ -110,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                              mix=args.mix.resolve() if args.mix else None,
                              tokenizer=args.tokenizer.resolve() if args.tokenizer else None, vocab_size=args.vocab_size,
                              users_micro_batches=parse_micro_batches(args.users_micro_batch),
-                             users_cuda_graphs=parse_micro_batches(args.users_cuda_graphs, "--users-cuda-graphs") or [],
+                             users_no_cuda_graphs=parse_micro_batches(args.users_no_cuda_graphs,
+                                                                      "--users-no-cuda-graphs") or [],
                              users_cpp_wrapper=parse_micro_batches(args.users_cpp_wrapper, "--users-cpp-wrapper") or [])
     board = results_board.board_from_args(args)
     if args.board_only:

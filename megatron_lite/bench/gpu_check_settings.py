@@ -59,7 +59,7 @@ class CheckSettings:
     tokenizer: Path | None = None
     vocab_size: int | None = None
     users_micro_batches: list[int] | None = None  # users_command: one run per micro batch (None: the config's)
-    users_cuda_graphs: list[int] = field(default_factory=list)  # users_command: a run with train.cuda_graphs each
+    users_no_cuda_graphs: list[int] = field(default_factory=list)  # users_command: a run with train.cuda_graphs=false
     users_cpp_wrapper: list[int] = field(default_factory=list)  # ... with train.compile_cpp_wrapper each
 
     def __post_init__(self) -> None:
@@ -84,7 +84,7 @@ class CheckSettings:
             raise ValueError(f"--vocab-size {self.vocab_size}: must be >= 1")
         if self.users_micro_batches is not None:
             _check_micro_batches("--users-micro-batch", self.users_micro_batches, allow_none=False)
-        _check_micro_batches("--users-cuda-graphs", self.users_cuda_graphs, allow_none=True)
+        _check_micro_batches("--users-no-cuda-graphs", self.users_no_cuda_graphs, allow_none=True)
         _check_micro_batches("--users-cpp-wrapper", self.users_cpp_wrapper, allow_none=True)
 
     @property
@@ -108,12 +108,13 @@ class CheckSettings:
                 "extra_compile_modes": list(self.extra_compile_modes),
                 "loss_gemms": list(self.loss_gemms), "sdpa_kernels": list(self.sdpa_kernels),
                 "users_micro_batches": self.users_micro_batches,
-                "users_cuda_graphs": list(self.users_cuda_graphs), "users_cpp_wrapper": list(self.users_cpp_wrapper)}
+                "users_no_cuda_graphs": list(self.users_no_cuda_graphs),
+                "users_cpp_wrapper": list(self.users_cpp_wrapper)}
 
     def users_variants(self) -> dict[str, list[int]]:
         """users_command's runs beside the plain ones: the micro batches of each variant (users_command.py's
         USERS_VARIANTS), in the order they run."""
-        return {"cudagraphs": list(self.users_cuda_graphs), "cpp_wrapper": list(self.users_cpp_wrapper)}
+        return {"no_cuda_graphs": list(self.users_no_cuda_graphs), "cpp_wrapper": list(self.users_cpp_wrapper)}
 
 
 def _check_choices(flag: str, values: list[str], allowed: tuple[str, ...]) -> None:

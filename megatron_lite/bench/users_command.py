@@ -48,7 +48,8 @@ FEWER_LAUNCHES = "train.compile_options=" + yaml.safe_dump(FEWER_LAUNCHES_INDUCT
 # first compile ~1.3x longer (tools/bench_train.py --compile-time)
 BLOCKS_OF_4 = "train.compile_blocks_per_region=4"
 USERS_VARIANTS: dict[str, tuple[str, ...]] = {
-    "cudagraphs": ("train.cuda_graphs=true",), "cpp_wrapper": ("train.compile_cpp_wrapper=true",),
+    # train.cuda_graphs is on by default for this config on a GPU (Run 4): the run without them, for comparison
+    "no_cuda_graphs": ("train.cuda_graphs=false",), "cpp_wrapper": ("train.compile_cpp_wrapper=true",),
     # the LayerNorms' weight and bias gradients summed in Triton kernels instead of 4 ATen sums per block and micro
     # batch (docs/gpu.md)
     "no_mix_order": ("train.compile_options.triton.mix_order_reduction=false",),

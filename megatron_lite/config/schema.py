@@ -458,15 +458,16 @@ class TrainConfig:
         "(on a CPU at the host's floor, 24 blocks in groups of 4: forward and backward 1.26x faster, first step "
         "1.26x longer; docs/benchmarks.md). Must divide model.num_layers; 1: each block its own region. Needs "
         "train.compile_mode=regional. 1 until a GPU measurement says more helps (docs/gpu.md).", default=1)
-    cuda_graphs: bool = _doc(
+    cuda_graphs: bool | None = _doc(
         "CUDA graphs for the compiled graphs (torch.compile's mode=\"reduce-overhead\", inductor's CUDA graph "
         "trees): each compiled region's kernels replay from one launch, for steps whose GPU waits on the host "
-        "(small micro batches, small models). Needs train.compile on a CUDA device (otherwise the run says so in "
-        "one line and trains without them); "
+        "(small micro batches, small models; the paper config on an H200: 30.8% -> 43.5% MFU, docs/gpu.md). "
+        "Needs train.compile on a CUDA device (otherwise a true says so in one line and trains without them); "
         "evaluations then run eagerly (torch.compiler.set_stance force_eager), so their other lengths record no "
         "graphs. With more than one micro batch per step it needs each micro batch's gradients summed out of the "
         "graphs' memory: precision bf16, zero_stage 1, grad_accum_dtype fp32 (the paper config). Not with "
-        "sequence_parallel_size > 1. Off until a GPU measurement says it helps (docs/gpu.md).", default=False)
+        "sequence_parallel_size > 1. null: on for a regional compile on CUDA in bf16 where those hold, without "
+        "model.checkpoint_activations or train.compile_cpp_wrapper; off elsewhere.", default=None)
     compile_cpp_wrapper: bool = _doc(
         "inductor's C++ wrapper (torch._inductor.config.cpp_wrapper) for the compiled graphs: each graph's kernels "
         "and library calls launched from generated C++ instead of generated Python, for steps whose GPU waits on "

@@ -1,16 +1,12 @@
 #!/usr/bin/env bash
-# Prepared 2026-11-28 (eleventh session, no GPU): call B, right after call_a.sh on the same warm machine (its
+# Prepared 2026-11-28 (seventeenth session, after Run 4): call B, right after call_a.sh on the same warm machine (its
 # wheels in /tmp/site). In priority order, as the session's remaining device time may cut it short:
-#   1. the users' command at micro batch 16 with inductor's combo kernels and without its mix-order reduction
-#      (USERS_VARIANTS' fewer_launches, added in the thirteenth session: 41 -> 28 launches per block and micro batch),
-#      then with those and 4 blocks per compiled region as well (fewer_launches_blocks_of_4, added in the fifteenth
-#      session: the two host levers that ask nothing of a user's machine, together), then at micro batch 32 (its
-#      --users-micro-batch 32 row), then at 16 with 4 blocks per region alone (blocks_of_4, fourteenth session: 50 ->
-#      14 region calls per micro batch), then at 16 with train.compile_cpp_wrapper=true (gpu_check's
-#      --users-cpp-wrapper 16 row: a C++ build on the user's machine, the least likely default), run alone: call A
-#      ran the plain and the CUDA graphs rows at 16 -> users_b.json (the rows), each run's log, metrics and profile
-#   2. the speedrun's throughput probe (30 steps each of rope and coca_slack, 41.6M, ZeRO 1) with
-#      train.cuda_graphs true, then false -> probe_{true,false}.txt / .json
+#   1. the speedrun's throughput probe (30 steps each of rope and coca_slack, 41.6M, ZeRO 1) with train.cuda_graphs
+#      true, then false -> probe_{true,false}.txt / .json: whether the default's CUDA graphs help the small model too
+#   2. the quick check's throughput rows for rope at micro batch 16 (the users' micro batch), compiled plain and with
+#      CUDA graphs, beside the twin's -> throughput_16.{md,json}: the twin ratio where the host binds
+#   3. the users' command at micro batch 16 with train.cuda_graphs=false (the no_cuda_graphs variant: the same-run
+#      reference for call A's default row; Run 4's was 30.8%) -> users_b.json, its log, metrics and profile
 # Everything but the traces is re-packed into OUT/results.tar.xz after each stage and each trace copied to OUT, so
 # that a call cut short still brings back what it measured in at most a few files (the device tool takes 8).
 #   run: bash .gpu/call_b.sh "$OUT"     (device tool: carry [".gpu"], timeout_s: what is left, <= 500)
@@ -50,18 +46,20 @@ for source in [work / f"log{suffix}.txt", run / "metrics.jsonl", *sorted((run / 
 PY
   echo "[t=$(el)] the users' command at $1 ${2:-} exited $?"; pack
 }
-users_run 16 fewer_launches
-users_run 16 fewer_launches_blocks_of_4
-users_run 32
-users_run 16 blocks_of_4
-users_run 16 cpp_wrapper
-[ "${CALL_B_PROBES:-1}" = 1 ] || { ls -la "$OUT"; exit 0; }  # 0: no speedrun probes (a dry run)
-for graphs in true false; do
-  timeout 100 python3 tools/reproduce.py --profile gpu-speedrun --bundle .gpu/bundle30m.tar.xz \
-    --out "/tmp/probe_$graphs" --only data,probe --no-board --set "train.cuda_graphs=$graphs" \
-    > "$RES/probe_$graphs.txt" 2>&1
-  echo "[t=$(el)] cuda_graphs=$graphs exited $?"; cp "/tmp/probe_$graphs/probe.json" "$RES/probe_$graphs.json"
-  grep "probe:" "$RES/probe_$graphs.txt" | tail -2
-  pack
-done
+if [ "${CALL_B_PROBES:-1}" = 1 ]; then  # 0: no speedrun probes (a dry run)
+  for graphs in true false; do
+    timeout 100 python3 tools/reproduce.py --profile gpu-speedrun --bundle .gpu/bundle30m.tar.xz \
+      --out "/tmp/probe_$graphs" --only data,probe --no-board --set "train.cuda_graphs=$graphs" \
+      > "$RES/probe_$graphs.txt" 2>&1
+    echo "[t=$(el)] cuda_graphs=$graphs exited $?"; cp "/tmp/probe_$graphs/probe.json" "$RES/probe_$graphs.json"
+    grep "probe:" "$RES/probe_$graphs.txt" | tail -2
+    pack
+  done
+fi
+timeout 150 python3 tools/gpu_check.py --quick --force --only throughput --schemes rope --micro-batch 16 \
+  --compile-mode regional,regional-cudagraphs --out /tmp/check_16 --no-board > "$RES/throughput_16.txt" 2>&1
+echo "[t=$(el)] throughput at micro batch 16 exited $?"
+for kind in md json; do cp "/tmp/check_16/gpu_check.$kind" "$RES/throughput_16.$kind"; done
+grep "throughput rope\|throughput hf_twin" "$RES/throughput_16.txt"; pack
+users_run 16 no_cuda_graphs
 ls -la "$OUT"
