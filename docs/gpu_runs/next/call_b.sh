@@ -2,10 +2,12 @@
 # Prepared 2026-11-28 (seventeenth session, after Run 4): call B, right after call_a.sh on the same warm machine (its
 # wheels in /tmp/site). In priority order, as the session's remaining device time may cut it short:
 #   1. the speedrun's throughput probe (30 steps each of rope and coca_slack, 41.6M, ZeRO 1) with train.cuda_graphs
-#      true, then false -> probe_{true,false}.txt / .json: whether the default's CUDA graphs help the small model too
-#   2. the quick check's throughput rows for rope at micro batch 16 (the users' micro batch), compiled plain and with
+#      true (the default there now), then false -> probe_{true,false}.txt / .json: whether they help the small model too
+#   2. the users' command as it runs by default (CUDA graphs) at micro batch 32 -> users_b.json, its log, metrics and
+#      profile
+#   3. the quick check's throughput rows for rope at micro batch 16 (the users' micro batch), compiled plain and with
 #      CUDA graphs, beside the twin's -> throughput_16.{md,json}: the twin ratio where the host binds
-#   3. the users' command at micro batch 16 with train.cuda_graphs=false (the no_cuda_graphs variant: the same-run
+#   4. the users' command at micro batch 16 with train.cuda_graphs=false (the no_cuda_graphs variant: the same-run
 #      reference for call A's default row; Run 4's was 30.8%) -> users_b.json, its log, metrics and profile
 # Everything but the traces is re-packed into OUT/results.tar.xz after each stage and each trace copied to OUT, so
 # that a call cut short still brings back what it measured in at most a few files (the device tool takes 8).
@@ -56,6 +58,7 @@ if [ "${CALL_B_PROBES:-1}" = 1 ]; then  # 0: no speedrun probes (a dry run)
     pack
   done
 fi
+users_run 32
 timeout 150 python3 tools/gpu_check.py --quick --force --only throughput --schemes rope --micro-batch 16 \
   --compile-mode regional,regional-cudagraphs --out /tmp/check_16 --no-board > "$RES/throughput_16.txt" 2>&1
 echo "[t=$(el)] throughput at micro batch 16 exited $?"
