@@ -471,7 +471,8 @@ class TrainConfig:
     compile_cpp_wrapper: bool = _doc(
         "inductor's C++ wrapper (torch._inductor.config.cpp_wrapper) for the compiled graphs: each graph's kernels "
         "and library calls launched from generated C++ instead of generated Python, for steps whose GPU waits on "
-        "the host (small micro batches, small models); works with or without train.cuda_graphs. The first step "
+        "the host (small micro batches, small models); works with or without train.cuda_graphs (whose null "
+        "default then stays off: with graphs the wrapper runs only while a graph records). The first step "
         "also builds each graph's wrapper with the C++ compiler. Needs train.compile (otherwise the run says so "
         "in one line). Off until a GPU measurement says it helps (docs/gpu.md).", default=False)
     compile_options: dict[str, Any] = _doc(
