@@ -88,7 +88,7 @@ def test_enable_tf32_satisfies_inductor_and_warns_nothing() -> None:
 def test_compile_mode_compiles_each_block_or_the_whole_model(mode: str) -> None:
     """Wrapped in place, compiled lazily: nothing runs inductor here."""
     model = GPT(tiny_config().model)
-    assert engine_lib._compile_in_place(model, with_train(compile=True, compile_mode=mode), CPU, 1) == (True, False)
+    assert engine_lib._compile_in_place(model, with_train(compile=True, compile_mode=mode), CPU) == (True, False)
     blocks = [layer._compiled_call_impl is not None for layer in model.layers]
     assert blocks == [mode == "regional"] * len(model.layers)
     assert ("decode" in vars(model)) is (mode == "whole")  # whole: model.decode replaced by its compiled self
@@ -108,10 +108,10 @@ def test_compile_mode_compiles_each_block_or_the_whole_model(mode: str) -> None:
 
 def test_compile_off_on_cpu_and_at_zero_3() -> None:
     model = GPT(tiny_config().model)
-    assert engine_lib._compile_in_place(model, with_train(), CPU, 1) == (False, False)  # null: off on CPU
+    assert engine_lib._compile_in_place(model, with_train(), CPU) == (False, False)  # null: off on CPU
     with pytest.warns(UserWarning, match="zero_stage=3"):
         assert engine_lib._compile_in_place(model, with_train(compile=True, zero_stage=3, cuda_graphs=True),
-                                            CPU, 1) == (False, False)
+                                            CPU) == (False, False)
     assert all(layer._compiled_call_impl is None for layer in model.layers)
 
 
@@ -130,37 +130,37 @@ def test_cuda_graphs_on_a_cuda_device_only(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(engine_lib, "compile_model", compile_model)
     config = with_train(compile=True, cuda_graphs=True)
     cuda_rank = dataclasses.replace(CPU, device=CUDA)
-    assert engine_lib._compile_in_place(GPT(tiny_config().model), config, cuda_rank, 1) == (True, True)
+    assert engine_lib._compile_in_place(GPT(tiny_config().model), config, cuda_rank) == (True, True)
     with pytest.warns(UserWarning, match="train.cuda_graphs: CUDA graphs need a CUDA device, this run's is cpu"):
-        assert engine_lib._compile_in_place(GPT(tiny_config().model), config, CPU, 1) == (True, False)
-    assert engine_lib._compile_in_place(GPT(tiny_config().model), with_train(compile=True), cuda_rank,
-                                        1) == (True, False)  # null: float32 here, so no graphs
+        assert engine_lib._compile_in_place(GPT(tiny_config().model), config, CPU) == (True, False)
+    assert engine_lib._compile_in_place(GPT(tiny_config().model), with_train(compile=True),
+                                        cuda_rank) == (True, False)  # null: float32 here, so no graphs
     wrapped = with_train(compile=True, compile_cpp_wrapper=True)
-    assert engine_lib._compile_in_place(GPT(tiny_config().model), wrapped, CPU, 1) == (True, False)  # any device
+    assert engine_lib._compile_in_place(GPT(tiny_config().model), wrapped, CPU) == (True, False)  # any device
     assert asked == [(True, False), (False, False), (False, False), (False, True)]
     tuned = with_train(compile=True, compile_options={"triton": {"mix_order_reduction": False}})
-    assert engine_lib._compile_in_place(GPT(tiny_config().model), tuned, cuda_rank, 1) == (True, False)
+    assert engine_lib._compile_in_place(GPT(tiny_config().model), tuned, cuda_rank) == (True, False)
     assert settings == [{}] * 4 + [{"triton": {"mix_order_reduction": False}}]
     with pytest.warns(UserWarning, match=r"train.compile_options: inductor's settings shape compiled graphs, and this "
                                          r"run trains eagerly \(train.compile=false on cuda\); the setting is ignored"):
         assert engine_lib._compile_in_place(GPT(tiny_config().model), with_train(
-            compile=False, compile_options={"max_autotune": True}), cuda_rank, 1) == (False, False)
+            compile=False, compile_options={"max_autotune": True}), cuda_rank) == (False, False)
     with pytest.warns(UserWarning, match=r"train.cuda_graphs: .* trains eagerly \(train.compile=false on cuda\)"):
         assert engine_lib._compile_in_place(GPT(tiny_config().model), with_train(compile=False, cuda_graphs=True),
-                                            cuda_rank, 1) == (False, False)
+                                            cuda_rank) == (False, False)
     with pytest.warns(UserWarning, match=r"train.compile_cpp_wrapper: .* trains eagerly \(train.compile=null on cpu\); "
                                          "the setting is ignored"):
         assert engine_lib._compile_in_place(GPT(tiny_config().model), with_train(compile_cpp_wrapper=True),
-                                            CPU, 1) == (False, False)
+                                            CPU) == (False, False)
     with pytest.raises(ValueError, match=r"^train.cuda_graphs=true: not with train.sequence_parallel_size=2 "):
         with_train(cuda_graphs=True, sequence_parallel_size=2)
     grouped = with_train(compile=True, compile_blocks_per_region=2)
-    assert engine_lib._compile_in_place(GPT(tiny_config().model), grouped, CPU, 1) == (True, False)
+    assert engine_lib._compile_in_place(GPT(tiny_config().model), grouped, CPU) == (True, False)
     assert groups == [1] * 5 + [2]
     with pytest.warns(UserWarning, match=r"train.compile_blocks_per_region: block groups are the regions of compiled "
                                          r"graphs, and this run trains eagerly \(train.compile=null on cpu\)"):
         assert engine_lib._compile_in_place(GPT(tiny_config().model), with_train(compile_blocks_per_region=2),
-                                            CPU, 1) == (False, False)
+                                            CPU) == (False, False)
 
 
 @pytest.mark.parametrize(("train", "message"), [
@@ -177,25 +177,24 @@ def test_block_groups_that_cannot_be_are_refused_in_one_line(train: dict, messag
 
 
 def test_cuda_graphs_by_default_where_the_measured_setup_holds() -> None:
-    """train.cuda_graphs=null: graphs for a regional compile on CUDA in bf16 with one micro batch per step or ZeRO 1's
-    flat float32 sums (the paper config, Run 4's 43.5% MFU); off on CPU and wherever one of those does not hold; an
-    explicit true or false is kept (true on CPU is off, with its notice elsewhere)."""
+    """train.cuda_graphs=null: graphs for a regional compile on CUDA in bf16 with ZeRO 1's flat float32 sums (the
+    paper config, Run 4's 43.5% MFU); off on CPU and wherever one of those does not hold; an explicit true or false is
+    kept (true on CPU is off, with its notice elsewhere)."""
     paper = {"zero_stage": 1, "grad_accum_dtype": "fp32"}
 
-    def graphs(device: torch.device = CUDA, accumulation: int = 16, precision: str = "bf16",
-               model: dict | None = None, **train: object) -> bool:
+    def graphs(device: torch.device = CUDA, precision: str = "bf16", model: dict | None = None,
+               **train: object) -> bool:
         config = config_lib.from_dict({"model": {**TINY_MODEL, **(model or {})}, "train": {**paper, **train},
                                        "precision": precision})
-        return engine_lib.use_cuda_graphs(config, device, accumulation)
+        return engine_lib.use_cuda_graphs(config, device)
 
     assert graphs() and engine_lib.flat_sums_expected(config_lib.from_dict({"train": paper, "precision": "bf16"}))
-    assert graphs(zero_stage=2, accumulation=1)  # one micro batch: nothing accumulates across replays
     assert not graphs(device=torch.device("cpu"))
     for off in [{"precision": "fp16"}, {"zero_stage": 2}, {"zero_stage": 0}, {"grad_accum_dtype": "model"},
                 {"compile_mode": "whole"}, {"compile_cpp_wrapper": True}, {"sequence_parallel_size": 2},
                 {"model": {"checkpoint_activations": True}}, {"deepspeed": {"bf16": {"immediate_grad_update": True}}}]:
         assert not graphs(**off), off
-    assert not graphs(cuda_graphs=False) and graphs(cuda_graphs=True, zero_stage=2, accumulation=1)
+    assert not graphs(cuda_graphs=False) and graphs(cuda_graphs=True, zero_stage=2)  # kept; the engine checks it
     assert not graphs(device=torch.device("cpu"), cuda_graphs=True)
 
 

@@ -466,8 +466,9 @@ class TrainConfig:
         "evaluations then run eagerly (torch.compiler.set_stance force_eager), so their other lengths record no "
         "graphs. With more than one micro batch per step it needs each micro batch's gradients summed out of the "
         "graphs' memory: precision bf16, zero_stage 1, grad_accum_dtype fp32 (the paper config). Not with "
-        "sequence_parallel_size > 1. null: on for a regional compile on CUDA in bf16 where those hold, without "
-        "model.checkpoint_activations or train.compile_cpp_wrapper; off elsewhere.", default=None)
+        "sequence_parallel_size > 1. null: on for a regional compile on CUDA in bf16 at zero_stage 1 with "
+        "grad_accum_dtype fp32 (the setup measured), without sequence parallelism, model.checkpoint_activations or "
+        "train.compile_cpp_wrapper; off elsewhere.", default=None)
     compile_cpp_wrapper: bool = _doc(
         "inductor's C++ wrapper (torch._inductor.config.cpp_wrapper) for the compiled graphs: each graph's kernels "
         "and library calls launched from generated C++ instead of generated Python, for steps whose GPU waits on "

@@ -62,8 +62,7 @@ class StagedEngine:
         mpu = sequence_parallel_mpu(self.config.train.sequence_parallel_size)
         if mpu is not None:
             model.enable_sequence_parallel(mpu.get_sequence_parallel_group())
-        accumulation = self.batch_sizes.gradient_accumulation_steps
-        self.compiled, self.cuda_graphs = _compile_in_place(model, self.config, self.dist_info, accumulation)
+        self.compiled, self.cuda_graphs = _compile_in_place(model, self.config, self.dist_info)
         self.optimizer = build_optimizer(model, self.config.train)
         ds_config = deepspeed_config(self.config, self.batch_sizes)
         ds_config["checkpoint"] = {**ds_config.get("checkpoint", {}), "load_universal": load_universal}
@@ -71,7 +70,7 @@ class StagedEngine:
         with contextlib.redirect_stdout(io.StringIO()):
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, mpu=mpu, config=ds_config)
         flat_sums = fp32_grad_sums.install(self.engine.optimizer)  # ZeRO 1's float32 sums: an add_ per group
-        problem = cuda_graphs_problem(self.cuda_graphs, accumulation, flat_sums)
+        problem = cuda_graphs_problem(self.cuda_graphs, self.batch_sizes.gradient_accumulation_steps, flat_sums)
         if problem and self.config.train.cuda_graphs is None:  # flat_sums_expected and fp32_grad_sums disagree
             raise RuntimeError(f"train.cuda_graphs=null chose CUDA graphs, but {problem}; "
                                "set train.cuda_graphs=false")
@@ -168,18 +167,18 @@ def use_compile(config: Config, device: torch.device) -> bool:
     return config.train.compile if config.train.compile is not None else device.type == "cuda"
 
 
-def use_cuda_graphs(config: Config, device: torch.device, accumulation: int) -> bool:
+def use_cuda_graphs(config: Config, device: torch.device) -> bool:
     """train.cuda_graphs for a compiled run, where null means on wherever the setup is the one measured to gain
     (Run 4, H200: the paper config at micro batch 16, 30.8% -> 43.5% MFU, the same losses, docs/gpu.md): regional
-    compile on a CUDA device, bf16, one micro batch per step or ZeRO 1's flat float32 sums (each micro batch's
-    gradients out of the graphs' memory), no sequence parallelism, no activation checkpointing (untried with
-    graphs), no C++ wrapper (which graphs replace); off elsewhere, silently."""
+    compile on a CUDA device, bf16 with ZeRO 1's flat float32 sums (each micro batch's gradients taken out of the
+    graphs' memory at once, whatever the accumulation), no sequence parallelism, no activation checkpointing
+    (untried with graphs), no C++ wrapper (which graphs replace); off elsewhere, silently."""
     train = config.train
     if train.cuda_graphs is not None:
         return train.cuda_graphs and device.type == "cuda"
     return (device.type == "cuda" and train.compile_mode == "regional" and config.precision == "bf16"
             and train.sequence_parallel_size == 1 and not config.model.checkpoint_activations
-            and not train.compile_cpp_wrapper and (accumulation == 1 or flat_sums_expected(config)))
+            and not train.compile_cpp_wrapper and flat_sums_expected(config))
 
 
 def flat_sums_expected(config: Config) -> bool:
@@ -242,12 +241,10 @@ def cuda_graphs_problem(cuda_graphs: bool, accumulation: int, flat_sums: bool) -
             "per step")
 
 
-def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: DistributedInfo,
-                      accumulation: int) -> tuple[bool, bool]:
+def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: DistributedInfo) -> tuple[bool, bool]:
     """``compile_model`` as train.compile_mode says (each block, or the model's whole call): in place, so its
     state-dict keys stay as they are (no ``_orig_mod.`` prefix) and checkpoints move freely between compiled
-    and eager runs. ``accumulation``: micro batches per step (whether null train.cuda_graphs may use graphs).
-    Returns (compiled, with CUDA graphs)."""
+    and eager runs. Returns (compiled, with CUDA graphs)."""
     if not use_compile(config, dist_info.device):
         setting = {None: "null", True: "true", False: "false"}[config.train.compile]
         train = config.train
@@ -265,7 +262,7 @@ def _compile_in_place(model: torch.nn.Module, config: Config, dist_info: Distrib
             notice("train.compile: not with train.zero_stage=3 (its parameter-gathering hooks do not trace); "
                    "training eagerly")
         return False, False
-    cuda_graphs = use_cuda_graphs(config, dist_info.device, accumulation)
+    cuda_graphs = use_cuda_graphs(config, dist_info.device)
     if config.train.cuda_graphs and not cuda_graphs and dist_info.is_main:
         notice(f"train.cuda_graphs: CUDA graphs need a CUDA device, this run's is {dist_info.device.type}; "
                "compiled without them")
