@@ -457,7 +457,8 @@ class TrainConfig:
         "wrappers, and fusion across the blocks of a group, for a first-step compile that grows with the group "
         "(on a CPU at the host's floor, 24 blocks in groups of 4: forward and backward 1.26x faster, first step "
         "1.26x longer; docs/benchmarks.md). Must divide model.num_layers; 1: each block its own region. Needs "
-        "train.compile_mode=regional. 1 until a GPU measurement says more helps (docs/gpu.md).", default=1)
+        "train.compile_mode=regional. 1: groups of 4 helped an H200 only without CUDA graphs (the users' command "
+        "30.8% -> 39.6% MFU, with the default graphs 43.5%; docs/gpu.md Run 4).", default=1)
     cuda_graphs: bool | None = _doc(
         "CUDA graphs for the compiled graphs (torch.compile's mode=\"reduce-overhead\", inductor's CUDA graph "
         "trees): each compiled region's kernels replay from one launch, for steps whose GPU waits on the host "
@@ -475,7 +476,7 @@ class TrainConfig:
         "the host (small micro batches, small models); works with or without train.cuda_graphs (whose null "
         "default then stays off: with graphs the wrapper runs only while a graph records). The first step "
         "also builds each graph's wrapper with the C++ compiler. Needs train.compile (otherwise the run says so "
-        "in one line). Off until a GPU measurement says it helps (docs/gpu.md).", default=False)
+        "in one line). Off: unmeasured on a GPU (docs/gpu.md).", default=False)
     compile_options: dict[str, Any] = _doc(
         "Passthrough: inductor settings for the compiled graphs, given to torch.compile as its options: "
         "torch._inductor.config names, nested or dotted (e.g. {triton: {mix_order_reduction: false}}, or --set "
