@@ -40,13 +40,15 @@ def test_overlapping_intervals_count_once() -> None:
 
 
 def test_cuda_summary_measures_kernel_time_and_gpu_busy_share() -> None:
-    def kernel(name: str, start: float, end: float) -> SimpleNamespace:
-        return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
+    def kernel(name: str, start: float, end: float, annotation: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA, is_user_annotation=annotation,
                                time_range=SimpleNamespace(start=start, end=end))
 
     cpu_op = SimpleNamespace(name="aten::mm", device_type=torch.autograd.DeviceType.CPU, self_cpu_time_total=9e6)
     events = [cpu_op, kernel("nvjet_gemm", 0, 300_000), kernel("triton_poi_fused_add", 300_000, 400_000),
-              kernel("ncclAllReduce", 350_000, 450_000)]  # microseconds; the all-reduce overlaps on its stream
+              kernel("ncclAllReduce", 350_000, 450_000),  # microseconds; the all-reduce overlaps on its stream
+              # a compiled graph's call as the GPU timeline shows it: over its kernels and the gaps between them
+              kernel("## Call CompiledFxGraph fabc ##", 0, 800_000, annotation=True)]
     summary = summarise(events, "cuda", wall_s=0.9, first_step=3, last_step=4, rank=0)
     assert summary.busy_s == pytest.approx(0.45)  # the CPU operator is not device time
     assert summary.by_kind_s == pytest.approx({"gemm": 0.3, "compiled": 0.1, "communication": 0.1})

@@ -94,13 +94,16 @@ class ProfileSummary:
 def summarise(events: list[Any], device: str, wall_s: float, first_step: int, last_step: int,
               rank: int) -> ProfileSummary:
     """The summary of a profiler's events: device-side events (kernels, memcpy) on CUDA, the operators' self CPU
-    time on CPU (device-side events absent there)."""
+    time on CPU (device-side events absent there). On CUDA the GPU-side user annotations are left out: each
+    compiled graph's call (``## Call CompiledFxGraph ...``) spans its kernels and the idle gaps between them on
+    the GPU's timeline, and counted as a kernel it doubled the kernel time and made a host-bound step look busy
+    (Run 4's users' command: 69% "busy" where its kernels covered 34% of the step)."""
     by_kind: dict[str, float] = {}
     busy_s: float | None = None
     if device == "cuda":
         spans = []
         for event in events:
-            if event.device_type == torch.autograd.DeviceType.CUDA:
+            if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
                 start, end = event.time_range.start, event.time_range.end  # microseconds
                 spans.append((start, end))
                 kind = kind_of(event.name)
