@@ -13,6 +13,7 @@ import torch
 
 from megatron_lite import config as config_lib
 from megatron_lite.config import ProfileConfig
+from megatron_lite.bench.step_profile import MODELS, ProfileSettings, training_step
 from megatron_lite.training.profiling import StepProfiler, describe_window, kind_of, summarise, union_length
 
 
@@ -117,3 +118,15 @@ def test_start_up_line_says_which_steps(tmp_path: Path) -> None:
 def test_bad_profile_settings_name_the_key(assignment: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         config_lib.load(Path(__file__).resolve().parents[1] / "configs/tiny/coca_slack.yml", [assignment])
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_profile_step_trains_ours_and_the_twin(model: str) -> None:
+    """tools/profile_step.py's step for either model builds and runs on CPU at a tiny size (the profile itself
+    needs CUDA), from the config and scheme given; a model the tool does not know is one error line."""
+    settings = ProfileSettings(model=model, label="rope", micro_batch=2, config_path="configs/tiny/rope.yml")
+    step, config = training_step(settings, torch.device("cpu"))
+    assert config.precision == "bf16" and config.model.position.scheme == "rope"
+    step()
+    with pytest.raises(ValueError, match="^--model gpt2: must be one of ours, hf_twin$"):
+        ProfileSettings(model="gpt2")

@@ -2,22 +2,33 @@
 
 The step is the one the throughput benchmarks time (forward with labels through the fused loss, backward,
 AdamW), at the 350M config by default, eager or compiled (``megatron_lite.model.compile``), after warm-up
-steps that compile and settle the allocator. The table is sorted by self CUDA time; kernel rows name what ran
-(``nvjet``/``sm90`` GEMMs on tensor cores, ``sgemm``/``f32`` ones off them).
+steps that compile and settle the allocator; or the Hugging Face twin's (``model="hf_twin"``: its bf16 logits
+into a float32 cross entropy, compiled by its own ``model.compile()``), as the GPU check times it. The table
+is sorted by self CUDA time; kernel rows name what ran (``nvjet``/``sm90`` GEMMs on tensor cores,
+``sgemm``/``f32`` ones off them). Above it, the GPU's busy share and kernel time by kind (``train.profile``'s
+summary line), the figures to set two models' tables side by side.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import time
+
 import torch
+import torch.nn.functional as F
 
 from megatron_lite import config as config_lib
+from megatron_lite.config import Config
 from megatron_lite.model import GPT
 from megatron_lite.model.compile import compile_model
+from megatron_lite.bench.train_bench import hf_gpt_neox
 from megatron_lite.model.variants import variant_named
+from megatron_lite.training.profiling import summarise
 
+MODELS = ("ours", "hf_twin")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -31,44 +42,74 @@ class ProfileSettings:
     warmup_steps: int = 3
     steps: int = 2
     row_limit: int = 30
+    model: str = "ours"  # MODELS: ours (label's scheme) or the Hugging Face twin (GPT-NeoX with RoPE)
 
     def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"--model {self.model}: must be one of {', '.join(MODELS)}")
         for name in ("micro_batch", "steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)}: must be >= 1")
+
+
+def training_step(settings: ProfileSettings, device: torch.device) -> tuple[Callable[[], None], Config]:
+    """The step to profile, on ``device`` (a GPU; a CPU runs it too, uncompiled), and the config it was built from:
+    ours through the fused loss, or the twin's bf16 logits into a float32 cross entropy; fused AdamW."""
+    config = config_lib.load(REPO / settings.config_path, [*variant_named(settings.label).overrides, "precision=bf16"])
+    torch.manual_seed(config.seed)
+    twin = settings.model == "hf_twin"
+    with device:
+        model = (hf_gpt_neox(config) if twin else GPT(config.model)).to(torch.bfloat16).train()
+    if twin and settings.compile_mode is not None:
+        model.compile()  # the twin's own whole-model compile, as the GPU check's compiled twin row
+    elif not twin:
+        model.lm_head.gemm = settings.loss_gemm
+        if settings.compile_mode is not None:
+            compile_model(model, settings.compile_mode)  # type: ignore[arg-type]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    shape = (settings.micro_batch, config.model.seq_length + 1)
+    batch = torch.randint(0, config.model.vocab_size, shape, device=device)
+    inputs, labels = batch[:, :-1], batch[:, 1:]  # (B, T)
+
+    def step() -> None:
+        if twin:
+            logits = model(inputs).logits  # (B, T, V) bf16
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+        else:
+            loss = model(inputs, labels=labels)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step, config
 
 
 def profile_step(settings: ProfileSettings) -> str:
     """The profiler's table of ``settings.steps`` training steps on the current CUDA device."""
     if not torch.cuda.is_available():
         raise ValueError("profile_step needs a CUDA device")
-    device = torch.device("cuda")
-    config = config_lib.load(REPO / settings.config_path, [*variant_named(settings.label).overrides, "precision=bf16"])
-    torch.manual_seed(config.seed)
-    with device:
-        model = GPT(config.model).to(torch.bfloat16).train()
-    model.lm_head.gemm = settings.loss_gemm
-    if settings.compile_mode is not None:
-        compile_model(model, settings.compile_mode)  # type: ignore[arg-type]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    shape = (settings.micro_batch, config.model.seq_length + 1)
-    batch = torch.randint(0, config.model.vocab_size, shape, device=device)
-
-    def step() -> None:
-        model(batch[:, :-1], labels=batch[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
+    step, config = training_step(settings, torch.device("cuda"))
+    twin = settings.model == "hf_twin"
     for _ in range(settings.warmup_steps):
         step()
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    start = time.perf_counter()
     with torch.profiler.profile(activities=activities) as profiler:
         for _ in range(settings.steps):
             step()
         torch.cuda.synchronize()
+    wall_s = time.perf_counter() - start
     mode = settings.compile_mode or "eager"
-    title = (f"{settings.label}, {mode}, loss gemm {settings.loss_gemm}, micro batch {settings.micro_batch} x "
-             f"{config.model.seq_length}, bf16, {settings.steps} steps on {torch.cuda.get_device_name()}")
+    what = ("hf_twin (model.compile())" if settings.compile_mode else "hf_twin, eager") if twin else (
+        f"{settings.label}, {mode}, loss gemm {settings.loss_gemm}")
+    title = (f"{what}, micro batch {settings.micro_batch} x {config.model.seq_length}, bf16, {settings.steps} "
+             f"steps on {torch.cuda.get_device_name()}")
+    summary = summarise(list(profiler.events()), "cuda", wall_s, 1, settings.steps, rank=0)
+    kernels_s = sum(summary.by_kind_s.values())
+    per_step = ", ".join(f"{kind} {seconds / settings.steps * 1e3:.1f} ms"
+                         for kind, seconds in sorted(summary.by_kind_s.items(), key=lambda item: -item[1]))
+    title += (f"\n{summary.line()}\nkernel time per step: {kernels_s / settings.steps * 1e3:.1f} ms ({per_step}); "
+              f"wall per step {wall_s / settings.steps * 1e3:.1f} ms (profiled)")
     return title + "\n" + profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=settings.row_limit,
                                                         max_name_column_width=70)

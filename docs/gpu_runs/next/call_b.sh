@@ -5,9 +5,12 @@
 #      true (the default there now), then false -> probe_{true,false}.txt / .json: whether they help the small model too
 #   2. the users' command as it runs by default (CUDA graphs) at micro batch 32 -> users_b.json, its log, metrics and
 #      profile
-#   3. the quick check's throughput rows for rope at micro batch 16 (the users' micro batch), compiled plain and with
+#   3. the profiler's table of two compiled steps at micro batch 64 (tools/profile_step.py): rope regional, then
+#      the HF twin's model.compile() -> profile_{rope,twin}_64.txt: kernel time by kind for each, the 1.3x miss's
+#      table
+#   4. the quick check's throughput rows for rope at micro batch 16 (the users' micro batch), compiled plain and with
 #      CUDA graphs, beside the twin's -> throughput_16.{md,json}: the twin ratio where the host binds
-#   4. the users' command at micro batch 16 with train.cuda_graphs=false (the no_cuda_graphs variant: the same-run
+#   5. the users' command at micro batch 16 with train.cuda_graphs=false (the no_cuda_graphs variant: the same-run
 #      reference for call A's default row; Run 4's was 30.8%) -> users_b.json, its log, metrics and profile
 # Everything but the traces is re-packed into OUT/results.tar.xz after each stage and each trace copied to OUT, so
 # that a call cut short still brings back what it measured in at most a few files (the device tool takes 8).
@@ -59,6 +62,13 @@ if [ "${CALL_B_PROBES:-1}" = 1 ]; then  # 0: no speedrun probes (a dry run)
   done
 fi
 users_run 32
+for model in rope twin; do
+  what=$([ "$model" = twin ] && echo "--model hf_twin" || echo "--scheme rope")
+  # shellcheck disable=SC2086
+  timeout 120 python3 tools/profile_step.py $what --compile regional --micro-batch 64 \
+    --out "$RES/profile_${model}_64.txt" > /dev/null 2> "$RES/profile_${model}_64.err"
+  echo "[t=$(el)] profile $model exited $?"; head -3 "$RES/profile_${model}_64.txt"; pack
+done
 timeout 150 python3 tools/gpu_check.py --quick --force --only throughput --schemes rope --micro-batch 16 \
   --compile-mode regional,regional-cudagraphs --out /tmp/check_16 --no-board > "$RES/throughput_16.txt" 2>&1
 echo "[t=$(el)] throughput at micro batch 16 exited $?"
