@@ -11,20 +11,19 @@ summary line), the figures to set two models' tables side by side.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import time
 
 import torch
 import torch.nn.functional as F
 
 from megatron_lite import config as config_lib
+from megatron_lite.bench.train_bench import hf_gpt_neox
 from megatron_lite.config import Config
 from megatron_lite.model import GPT
 from megatron_lite.model.compile import compile_model
-from megatron_lite.bench.train_bench import hf_gpt_neox
 from megatron_lite.model.variants import variant_named
 from megatron_lite.training.profiling import summarise
 
