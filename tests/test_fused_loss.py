@@ -126,7 +126,9 @@ def test_compiled_fullgraph_equals_eager() -> None:
 def test_compiled_head_is_written_for_inductor() -> None:
     """Traced by torch.compile the head scatters nothing into the logits (the eager chunk's in-place passes,
     functionalised, became a second (n, V) buffer and a scatter fallback) and makes one GEMM per gradient per
-    chunk (eager bf16 rounds half a chunk at a time: five); bf16 results as the eager head's."""
+    chunk (eager bf16 rounds half a chunk at a time: five), and takes each label's logit without a gather (inductor
+    put the chunks' gathers after the last chunk, keeping every chunk's logits alive to the end); bf16 results as
+    the eager head's."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -144,6 +146,7 @@ def test_compiled_head_is_written_for_inductor() -> None:
     ops = [str(node.target) for node in forward_graphs[0].graph.nodes if node.op == "call_function"]
     assert sum(op.startswith(("aten.mm", "aten.addmm")) for op in ops) == 3 * 4, ops
     assert not [op for op in ops if "scatter" in op and "slice_scatter" not in op], ops  # slices: grad_hidden rows
+    assert not [op for op in ops if "gather" in op], ops
     assert_results_close(got, expected, rtol=2e-2, atol=1e-3)
 
 
