@@ -23,7 +23,7 @@ import json
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -219,6 +219,7 @@ def _train_step(model: torch.nn.Module, is_hf: bool, batch: torch.Tensor) -> Cal
 class StepTiming:
     step_s: float  # mean of the timed steps
     first_step_s: float  # the first warm-up step's wall time: the compile, for a compiled model
+    peak_gib: float | None = None  # CUDA: the most memory allocated while the model was built and stepped
 
 
 def _time_steps(step: Callable[[], None], device: torch.device, warmup: int, steps: int) -> StepTiming:
@@ -278,10 +279,15 @@ def _build_for_throughput(config: Config, is_hf: bool, device: torch.device, com
 
 def _measure(config: Config, is_hf: bool, device: torch.device, compiled: bool, batch_size: int, warmup: int,
              steps: int, compile_mode: str = "regional", loss_gemm: str | None = None) -> StepTiming:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     model = _build_for_throughput(config, is_hf, device, compiled, compile_mode, loss_gemm)
     batch = torch.randint(0, config.model.vocab_size, (batch_size, config.model.seq_length + 1), device=device)
     try:
-        return _time_steps(_train_step(model, is_hf, batch), device, warmup, steps)
+        timing = _time_steps(_train_step(model, is_hf, batch), device, warmup, steps)
+        if device.type != "cuda":
+            return timing
+        return replace(timing, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
     finally:
         del model, batch
         _free(device)
@@ -443,6 +449,8 @@ def section_throughput(settings: CheckSettings, progress: Progress) -> list[dict
                        tflops=tflops, mfu=tflops / peak if peak else None)
             if run.compiled:
                 row["compile_s"] = timing.first_step_s
+            if timing.peak_gib is not None:
+                row["peak_gib"] = timing.peak_gib
         except Exception as failure:  # noqa: BLE001
             row["status"] = f"failed: {_error_text(failure)}"
             _free(device)
