@@ -197,7 +197,9 @@ def hf_twin(config: Config) -> torch.nn.Module:
     return hf_gpt_neox(config)
 
 
-def _train_step(model: torch.nn.Module, is_hf: bool, batch: torch.Tensor) -> Callable[[], None]:
+def throughput_step(model: torch.nn.Module, is_hf: bool, batch: torch.Tensor) -> Callable[[], None]:
+    """One timed training step: ours through its fused loss, the twin's bf16 logits into a float32 cross entropy;
+    AdamW (torch's default implementation for the device). ``tools/profile_step.py`` profiles the same step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     inputs, labels = batch[:, :-1], batch[:, 1:]
 
@@ -264,7 +266,7 @@ def _compile(model: torch.nn.Module, is_hf: bool, mode: str) -> None:
                       inductor=FEWER_LAUNCHES_INDUCTOR if mode.endswith(FEWER_LAUNCHES_SUFFIX) else None)
 
 
-def _build_for_throughput(config: Config, is_hf: bool, device: torch.device, compiled: bool,
+def build_for_throughput(config: Config, is_hf: bool, device: torch.device, compiled: bool,
                           compile_mode: str = "regional", loss_gemm: str | None = None) -> torch.nn.Module:
     torch.manual_seed(config.seed)
     with device:
@@ -281,10 +283,10 @@ def _measure(config: Config, is_hf: bool, device: torch.device, compiled: bool, 
              steps: int, compile_mode: str = "regional", loss_gemm: str | None = None) -> StepTiming:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model = _build_for_throughput(config, is_hf, device, compiled, compile_mode, loss_gemm)
+    model = build_for_throughput(config, is_hf, device, compiled, compile_mode, loss_gemm)
     batch = torch.randint(0, config.model.vocab_size, (batch_size, config.model.seq_length + 1), device=device)
     try:
-        timing = _time_steps(_train_step(model, is_hf, batch), device, warmup, steps)
+        timing = _time_steps(throughput_step(model, is_hf, batch), device, warmup, steps)
         if device.type != "cuda":
             return timing
         return replace(timing, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
@@ -571,7 +573,7 @@ def section_sync(settings: CheckSettings, progress: Progress) -> list[dict[str, 
                 continue
             try:
                 config = big_config(settings, label)
-                model = _build_for_throughput(config, False, device, compiled, settings.compile_mode,
+                model = build_for_throughput(config, False, device, compiled, settings.compile_mode,
                                               settings.loss_gemms[0])
                 batch = torch.randint(0, config.model.vocab_size, (batch_size, config.model.seq_length + 1),
                                       device=device)

@@ -1,12 +1,12 @@
 """Where a training step's GPU time goes: ``torch.profiler`` over a few steps of one model, as a table.
 
-The step is the one the throughput benchmarks time (forward with labels through the fused loss, backward,
-AdamW), at the 350M config by default, eager or compiled (``megatron_lite.model.compile``), after warm-up
-steps that compile and settle the allocator; or the Hugging Face twin's (``model="hf_twin"``: its bf16 logits
-into a float32 cross entropy, compiled by its own ``model.compile()``), as the GPU check times it. The table
-is sorted by self CUDA time; kernel rows name what ran (``nvjet``/``sm90`` GEMMs on tensor cores,
-``sgemm``/``f32`` ones off them). Above it, the GPU's busy share and kernel time by kind (``train.profile``'s
-summary line), the figures to set two models' tables side by side.
+The step is the one the GPU check's throughput rows time (``gpu_check.throughput_step``: forward with labels
+through the fused loss, backward, AdamW), at the 350M config by default, eager or compiled, after warm-up steps
+that compile and settle the allocator; or the Hugging Face twin's (``model="hf_twin"``: its bf16 logits into a
+float32 cross entropy, compiled by its own ``model.compile()``). The table is sorted by self CUDA time; kernel
+rows name what ran (``nvjet``/``sm90`` GEMMs on tensor cores, ``sgemm``/``f32`` ones off them). Above it, the
+GPU's busy share and kernel time by kind (``train.profile``'s summary line), to set two models' tables side by
+side.
 """
 
 from __future__ import annotations
@@ -17,13 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from megatron_lite import config as config_lib
-from megatron_lite.bench.train_bench import hf_gpt_neox
+from megatron_lite.bench.gpu_check import build_for_throughput, throughput_step
 from megatron_lite.config import Config
-from megatron_lite.model import GPT
-from megatron_lite.model.compile import compile_model
 from megatron_lite.model.variants import variant_named
 from megatron_lite.training.profiling import summarise
 
@@ -52,35 +49,15 @@ class ProfileSettings:
 
 
 def training_step(settings: ProfileSettings, device: torch.device) -> tuple[Callable[[], None], Config]:
-    """The step to profile, on ``device`` (a GPU; a CPU runs it too, uncompiled), and the config it was built from:
-    ours through the fused loss, or the twin's bf16 logits into a float32 cross entropy; fused AdamW."""
+    """The step to profile on ``device`` (a GPU; a CPU runs it too, uncompiled) and the config it was built from:
+    the GPU check's throughput step (``gpu_check.throughput_step``), ours or the twin, built and compiled as there."""
     config = config_lib.load(REPO / settings.config_path, [*variant_named(settings.label).overrides, "precision=bf16"])
-    torch.manual_seed(config.seed)
     twin = settings.model == "hf_twin"
-    with device:
-        model = (hf_gpt_neox(config) if twin else GPT(config.model)).to(torch.bfloat16).train()
-    if twin and settings.compile_mode is not None:
-        model.compile()  # the twin's own whole-model compile, as the GPU check's compiled twin row
-    elif not twin:
-        model.lm_head.gemm = settings.loss_gemm
-        if settings.compile_mode is not None:
-            compile_model(model, settings.compile_mode)  # type: ignore[arg-type]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    shape = (settings.micro_batch, config.model.seq_length + 1)
-    batch = torch.randint(0, config.model.vocab_size, shape, device=device)
-    inputs, labels = batch[:, :-1], batch[:, 1:]  # (B, T)
-
-    def step() -> None:
-        if twin:
-            logits = model(inputs).logits  # (B, T, V) bf16
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-        else:
-            loss = model(inputs, labels=labels)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step, config
+    model = build_for_throughput(config, twin, device, settings.compile_mode is not None,
+                                 settings.compile_mode or "regional", None if twin else settings.loss_gemm)
+    batch = torch.randint(0, config.model.vocab_size, (settings.micro_batch, config.model.seq_length + 1),
+                          device=device)
+    return throughput_step(model, twin, batch), config
 
 
 def profile_step(settings: ProfileSettings) -> str:
