@@ -39,6 +39,7 @@ def bad_arguments(script: str, tmp_path: Path) -> tuple[list[str], str]:
         "tools/eval_long_context.py": (["--checkpoints", missing, "--out", str(tmp_path / "out"),
                                         "--passkey-lengths", "64"], missing),
         "tools/generate.py": ([missing], missing),
+        "tools/gemm_table.py": ([missing], missing),
         "tools/gpu_check.py": (["--only", "nonsense", "--out", missing], "nonsense"),
         "tools/fetch_wheels.py": (["--out", str(tmp_path / "wheels"), "--constraints", missing], missing),
         "tools/forecast_break.py": ([missing], missing),

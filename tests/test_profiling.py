@@ -13,8 +13,9 @@ import torch
 
 from megatron_lite import config as config_lib
 from megatron_lite.config import ProfileConfig
-from megatron_lite.bench.step_profile import MODELS, ProfileSettings, training_step
-from megatron_lite.training.profiling import StepProfiler, describe_window, kind_of, summarise, union_length
+from megatron_lite.bench.step_profile import MODELS, ProfileSettings, gemm_section, training_step
+from megatron_lite.training.kernel_kinds import kind_of
+from megatron_lite.training.profiling import StepProfiler, describe_window, summarise, union_length
 
 
 @pytest.mark.parametrize("name, kind", [
@@ -88,6 +89,9 @@ def test_recorded_shapes_get_a_table_of_their_own(tmp_path: Path) -> None:
     assert shapes.startswith("profiled step 1: ") and "Input Shapes" in shapes
     # the forward's product and the backward's weight gradient: the same operator, one row per shape pair
     assert "[[32, 64], [64, 64]]" in shapes and "[[64, 32], [32, 64]]" in shapes
+    gemms = (tmp_path / "profile" / "steps_1_rank0_gemms.txt").read_text()  # and the GEMMs by shape, per step
+    assert gemms.startswith("GEMMs by shape (cpu; time: each operator's own, ms per step)")
+    assert "| mm 32 x 64 x 64 | fp32 | 1 |" in gemms and "| mm 64 x 32 x 64 | fp32 | 1 |" in gemms, gemms
 
 
 def test_window_cut_short_is_written_and_other_ranks_write_nothing(tmp_path: Path) -> None:
@@ -127,6 +131,9 @@ def test_profile_step_trains_ours_and_the_twin(model: str) -> None:
     settings = ProfileSettings(model=model, label="rope", micro_batch=2, config_path="configs/tiny/rope.yml")
     step, config = training_step(settings, torch.device("cpu"))
     assert config.precision == "bf16" and config.model.position.scheme == "rope"
-    step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profiler:
+        step()
+    gemms = gemm_section(profiler, steps=1)  # the 4 layers' QKV projections: (2 x 128 tokens) x 128 -> 3 x 128
+    assert gemms.startswith("GEMMs by shape (cpu; ") and "| addmm 256 x 128 x 384 | bf16 | 4 |" in gemms, gemms
     with pytest.raises(ValueError, match="^--model gpt2: must be one of ours, hf_twin$"):
         ProfileSettings(model="gpt2")

@@ -42,7 +42,7 @@ from megatron_lite.model.attention import check_backend_available
 from megatron_lite.model.compile import compile_model
 from megatron_lite.model.variants import variant_named
 from megatron_lite.training.engine import enable_tf32
-from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
+from megatron_lite.training.metrics import known_peak_tflops, model_flops_per_token
 
 REPO = Path(__file__).resolve().parents[2]
 HF_TWIN = "hf_twin"  # the throughput rows' name for Hugging Face GPTNeoXForCausalLM at our dimensions
@@ -114,8 +114,7 @@ def section_env(settings: CheckSettings, progress: Progress) -> list[dict[str, A
     if cuda:
         free, total = torch.cuda.mem_get_info()
         rows.append({"item": "GPU memory", "value": f"{total / 2**30:.1f} GiB total, {free / 2**30:.1f} GiB free"})
-        name = torch.cuda.get_device_name()
-        peak = next((value for key, value in KNOWN_PEAK_TFLOPS.items() if key in name), None)
+        peak = known_peak_tflops(torch.cuda.get_device_name())
         rows.append({"item": "peak bf16 TFLOP/s", "value": str(peak) if peak else "unknown"})
         rows.append({"item": "SDPA kernel torch picks (bf16, causal, 16 x 16 heads x 512 x 64)",
                      "value": sdpa_auto_kernel(torch.device("cuda"))})
@@ -379,8 +378,7 @@ def loss_gemm_supported(config: Config) -> bool:
 def _peak_tflops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name()
-    return next((value for key, value in KNOWN_PEAK_TFLOPS.items() if key in name), None)
+    return known_peak_tflops(torch.cuda.get_device_name())
 
 
 def _over_budget(settings: CheckSettings, section: str, since: float) -> str | None:

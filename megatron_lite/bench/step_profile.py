@@ -6,11 +6,12 @@ that compile and settle the allocator; or the Hugging Face twin's (``model="hf_t
 float32 cross entropy, compiled by its own ``model.compile()``). The table is sorted by self CUDA time; kernel
 rows name what ran (``nvjet``/``sm90`` GEMMs on tensor cores, ``sgemm``/``f32`` ones off them). Above it, the
 GPU's busy share and kernel time by kind (``train.profile``'s summary line), to set two models' tables side by
-side.
+side; below it, the GEMMs by shape with the TFLOP/s each ran at (``training/gemm_shapes.py``).
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from megatron_lite import config as config_lib
 from megatron_lite.bench.gpu_check import build_for_throughput, throughput_step
 from megatron_lite.config import Config
 from megatron_lite.model.variants import variant_named
+from megatron_lite.training.gemm_shapes import format_table, gemm_table, read_trace
+from megatron_lite.training.metrics import known_peak_tflops
 from megatron_lite.training.profiling import summarise
 
 MODELS = ("ours", "hf_twin")
@@ -71,7 +74,7 @@ def profile_step(settings: ProfileSettings) -> str:
     torch.cuda.synchronize()
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     start = time.perf_counter()
-    with torch.profiler.profile(activities=activities) as profiler:
+    with torch.profiler.profile(activities=activities, record_shapes=True) as profiler:
         for _ in range(settings.steps):
             step()
         torch.cuda.synchronize()
@@ -87,5 +90,15 @@ def profile_step(settings: ProfileSettings) -> str:
                          for kind, seconds in sorted(summary.by_kind_s.items(), key=lambda item: -item[1]))
     title += (f"\n{summary.line()}\nkernel time per step: {kernels_s / settings.steps * 1e3:.1f} ms ({per_step}); "
               f"wall per step {wall_s / settings.steps * 1e3:.1f} ms (profiled)")
-    return title + "\n" + profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=settings.row_limit,
-                                                        max_name_column_width=70)
+    table = profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=settings.row_limit,
+                                          max_name_column_width=70)
+    return f"{title}\n{table}\n{gemm_section(profiler, settings.steps)}"
+
+
+def gemm_section(profiler: torch.profiler.profile, steps: int) -> str:
+    """The GEMMs-by-shape table of a finished profile recorded with shapes, per step (read from its trace)."""
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "trace.json"
+        profiler.export_chrome_trace(str(path))
+        table = gemm_table(read_trace(path))
+    return format_table(table, steps, "per step", known_peak_tflops(table.device))

@@ -28,7 +28,7 @@ from megatron_lite import config as config_lib
 from megatron_lite.config import Config
 from megatron_lite.model import GPT, language_model_loss
 from megatron_lite.model.variants import LABELS, SchemeVariant, variant_named
-from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS, model_flops_per_token
+from megatron_lite.training.metrics import known_peak_tflops, model_flops_per_token
 
 COMPILE_SCHEMES = LABELS  # every scheme is timed compiled vs eager
 
@@ -242,7 +242,7 @@ def run_gpu_mfu(settings: TrainBenchSettings, steps: int = 10) -> dict[str, Any]
     tokens = settings.gpu_batch_size * config.model.seq_length
     tflops = model_flops_per_token(config.model) * tokens / seconds / 1e12
     name = torch.cuda.get_device_name()
-    peak = next((value for key, value in KNOWN_PEAK_TFLOPS.items() if key in name), None)
+    peak = known_peak_tflops(name)
     return {"device": name, "config": settings.gpu_config_path, "batch": settings.gpu_batch_size,
             "seq_length": config.model.seq_length, "tokens_per_sec": tokens / seconds, "tflops": tflops,
             "mfu": tflops / peak if peak else None, "peak_tflops": peak,

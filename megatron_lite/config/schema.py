@@ -375,8 +375,9 @@ class ProfileConfig:
     steps: int = _doc("Optimizer steps profiled, from start_step on (each with all its micro batches).", default=2)
     ranks: list[int] = _doc("Global ranks that profile (each writes its own files).", default_factory=lambda: [0])
     record_shapes: bool = _doc(
-        "Record operator input shapes (larger trace, more profiler overhead) and write a second table, the "
-        "operators split by input shapes, twice row_limit rows (steps_..._shapes.txt).", default=False)
+        "Record operator input shapes (larger trace, more profiler overhead) and write two more tables: the "
+        "operators split by input shapes, twice row_limit rows (steps_..._shapes.txt), and the GEMMs by shape with "
+        "the TFLOP/s each ran at (steps_..._gemms.txt).", default=False)
     row_limit: int = _doc("Operators listed in the table.", default=40)
 
 

@@ -45,9 +45,13 @@ def peak_tflops(config: Config) -> float | None:
     if config.train.peak_tflops is not None:
         return config.train.peak_tflops
     if torch.cuda.is_available() and config.precision in ("bf16", "fp16"):
-        name = torch.cuda.get_device_name()
-        return next((value for key, value in KNOWN_PEAK_TFLOPS.items() if key in name), None)
+        return known_peak_tflops(torch.cuda.get_device_name())
     return None
+
+
+def known_peak_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of a device by its name (``KNOWN_PEAK_TFLOPS``), None if not known."""
+    return next((value for key, value in KNOWN_PEAK_TFLOPS.items() if key in device_name), None)
 
 
 def memory_gb() -> float:

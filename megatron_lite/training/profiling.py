@@ -6,7 +6,9 @@ For each profiled rank it writes into ``<run dir>/profile/``:
 * ``steps_A-B_rankR.trace.json.gz``: the trace, for https://ui.perfetto.dev or chrome://tracing;
 * ``steps_A-B_rankR.txt``: the summary below, then the operator table (sorted by self device time on CUDA,
   self CPU time on CPU);
-* ``steps_A-B_rankR.json``: the summary as numbers.
+* ``steps_A-B_rankR.json``: the summary as numbers;
+* with ``record_shapes``, ``steps_A-B_rankR_shapes.txt`` (the operators split by input shapes) and
+  ``steps_A-B_rankR_gemms.txt`` (the GEMMs by shape and the TFLOP/s each ran at: ``gemm_shapes.py``).
 
 The summary: the window's wall time; on CUDA the time the GPU was busy (the union of its kernel and memcpy
 intervals: below the wall time, the GPU waited for the host: launches, syncs, data); and the device time
@@ -28,30 +30,11 @@ import torch
 from megatron_lite.config import ProfileConfig
 from megatron_lite.console import console
 from megatron_lite.files import write_text_atomic
+from megatron_lite.training.gemm_shapes import format_table, gemm_table, read_trace
+from megatron_lite.training.kernel_kinds import kind_of
+from megatron_lite.training.metrics import known_peak_tflops
 
 PROFILE_DIR = "profile"
-# (kind, lower-case name fragments), first match wins: CUDA kernel names (nvjet/xmma/cutlass GEMMs, flash/cuDNN
-# attention, inductor's triton_*) and the aten operators a CPU run shows.
-KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("attention", ("flash", "fmha", "attention", "sdpa", "_attn")),
-    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
-              "aten::_addmm", "splitk")),
-    ("compiled", ("triton_", "cpp_fused", "compiledfunction", "compiledfxgraph")),
-    ("optimizer", ("adam", "multi_tensor", "foreach", "optimizer")),
-    ("communication", ("nccl", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
-                       "all_to_all", "broadcast", "gloo")),
-    ("copy", ("memcpy", "memset", "copy", "aten::cat", "catarray", "aten::to", "contiguous", "fill")),
-)
-OTHER = "other"
-
-
-def kind_of(name: str) -> str:
-    """The kind of an operator or kernel, by its name (``KINDS``), else ``other``."""
-    lowered = name.lower()
-    for kind, fragments in KINDS:
-        if any(fragment in lowered for fragment in fragments):
-            return kind
-    return OTHER
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -204,5 +187,12 @@ class StepProfiler:
             rows = 2 * self.section.row_limit  # an operator takes a row per shape
             shapes = profiler.key_averages(group_by_input_shape=True).table(sort_by=sort_by, row_limit=rows)
             write_text_atomic(stem.with_name(stem.name + "_shapes.txt"), f"{summary.line()}\n\n{shapes}\n")
+            steps = summary.last_step - summary.first_step + 1
+            try:  # side work: a trace torch wrote but json cannot read costs this table, not the run
+                gemms = gemm_table(read_trace(trace))
+                text = format_table(gemms, steps, "per step", known_peak_tflops(gemms.device))
+            except ValueError as error:
+                text = f"no GEMM table: {error}"
+            write_text_atomic(stem.with_name(stem.name + "_gemms.txt"), text + "\n")
         write_text_atomic(stem.with_suffix(".json"), json.dumps(asdict(summary), indent=1) + "\n")
         console(f"{summary.line()} ({stem}.txt, {trace.name})")
