@@ -10,8 +10,9 @@ import importlib.util
 import pytest
 import torch
 
-from megatron_lite.bench.cuda_lowering import (LoweringSettings, count_launches, format_lowering, lower_for_cuda,
-                                               lowering_settings)
+from megatron_lite.bench.cuda_lowering import (LoweringSettings, count_launches, format_lowering,
+                                               heads_cuda_gemms_on_cpu, lower_for_cuda, lowering_settings)
+from megatron_lite.model import loss
 
 # from the backward of one rope block at micro batch 16 (the wrapper's call, comments and bookkeeping left out)
 WRAPPER = """
@@ -55,6 +56,22 @@ def test_bad_settings_stop_in_one_line() -> None:
         lowering_settings("configs/coca_350m.yml", "rope", 16, [], "whole", 2, 2).validate()
 
 
+def test_the_cpu_pass_traces_the_heads_cuda_gemms_and_leaves_cpu_as_it_was() -> None:
+    """Inside, a bf16 head on CPU multiplies bf16 operands into float32 (aten::mm.dtype, given a CPU kernel: the CUDA
+    path's numerics); outside, CPU has no such kernel again and the head takes its CPU path (float32 operands)."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(32, 16, dtype=torch.bfloat16)
+    with heads_cuda_gemms_on_cpu():
+        gemms = loss._HeadGemms("mixed", hidden, weight)
+        assert gemms.operand_dtype == torch.bfloat16 and gemms.compute_dtype == torch.float32
+        logits = gemms.matmul(hidden, gemms.weight_VC.t())
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, hidden.float() @ weight.float().t(), rtol=0, atol=1e-5)
+    assert loss._HeadGemms("mixed", hidden, weight).operand_dtype == torch.float32
+    with pytest.raises(NotImplementedError):
+        torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+
+
 def _a_cuda_build_with_triton() -> bool:
     return torch.version.cuda is not None and importlib.util.find_spec("triton") is not None
 
@@ -74,3 +91,8 @@ def test_mix_order_reduction_leaves_four_aten_sums_per_block_backward() -> None:
     assert backward.library_calls.count("extern_kernels.mm") == 8
     assert plain_backward.triton_launches == backward.triton_launches + 1
     assert plain_forward.code == forward.code
+    # the head as CUDA runs it (aten::mm.dtype: bf16 operands, float32 out), not its CPU path's float32 copies: two
+    # chunks of 4,096 tokens, each its logits, hidden gradient and weight gradient
+    head_forward = mixed[2]
+    assert head_forward.library_calls == ["extern_kernels.mm_dtype"] * 6, head_forward.library_calls
+    assert "torch.bfloat16)" in head_forward.code and "_to_copy_0.run(primals_3" not in head_forward.code

@@ -11,7 +11,9 @@ library calls it makes (cuBLAS GEMMs, attention), and which ATen operators it ru
 LayerNorm backward with an ATen ``sum`` over a float32 workspace).
 
 The CPU pass traces attention as CPU SDPA (one extern call either way; the GPU runs cuDNN's, whose backward is
-three kernels). It needs a CUDA build of torch (pip's default wheel runs on a machine without a GPU; a CPU
+three kernels), and the LM head's GEMMs as they run on CUDA: bf16 operands with float32 output
+(``aten::mm.dtype``), which CPU lacks, given a CPU kernel for the pass (``heads_cuda_gemms_on_cpu``); without it
+the head would trace its CPU path, float32 copies of its operands, which no GPU runs. It needs a CUDA build of torch (pip's default wheel runs on a machine without a GPU; a CPU
 build fails in inductor's passes on the fake CUDA tensors) and triton. The device answers are patches of torch and
 Triton internals, written against torch 2.11.0+cu130 with Triton 3.6 (the GPU node's pair); other versions may
 fail in the lowering, which ends the tool with one line.
@@ -24,6 +26,7 @@ import copy
 import importlib.util
 import re
 import types
+from unittest import mock
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -127,9 +130,30 @@ def _record_graphs(settings: LoweringSettings) -> tuple[Recorded, int]:
     compile_model(model, settings.compile_mode, backend=backend,  # type: ignore[arg-type]
                   blocks_per_region=settings.blocks_per_region)
     ids_BT1 = torch.randint(0, config.model.vocab_size, (settings.micro_batch, config.model.seq_length + 1))
-    model(ids_BT1[:, :-1], labels=ids_BT1[:, 1:]).backward()
+    with heads_cuda_gemms_on_cpu():
+        model(ids_BT1[:, :-1], labels=ids_BT1[:, 1:]).backward()
     torch._dynamo.reset()
     return recorded, settings.micro_batch * config.model.seq_length
+
+
+def _mm_float32_output_on_cpu(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``aten::mm.dtype`` for the CPU pass: the CUDA kernel's numerics (exact upcast, float32 sums)."""
+    return torch.mm(a.to(torch.float32), b.to(torch.float32)).to(out_dtype)
+
+
+@contextlib.contextmanager
+def heads_cuda_gemms_on_cpu() -> Iterator[None]:
+    """Within it, the fused LM head on a CPU takes its CUDA path: ``loss.native_float32_output`` says yes, and
+    ``aten::mm.dtype`` has a CPU kernel (registered for the block only, removed after it)."""
+    from megatron_lite.model import loss
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("mm.dtype", _mm_float32_output_on_cpu, "CPU")
+    try:
+        with mock.patch.object(loss, "native_float32_output", lambda device: hasattr(torch.ops.aten.mm, "dtype")):
+            yield
+    finally:
+        library._destroy()
 
 
 @contextlib.contextmanager
