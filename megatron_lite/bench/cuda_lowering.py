@@ -13,8 +13,9 @@ LayerNorm backward with an ATen ``sum`` over a float32 workspace).
 The CPU pass traces attention as CPU SDPA (one extern call either way; the GPU runs cuDNN's, whose backward is
 three kernels), and the LM head's GEMMs as they run on CUDA: bf16 operands with float32 output
 (``aten::mm.dtype``), which CPU lacks, given a CPU kernel for the pass (``heads_cuda_gemms_on_cpu``); without it
-the head would trace its CPU path, float32 copies of its operands, which no GPU runs. It needs a CUDA build of torch (pip's default wheel runs on a machine without a GPU; a CPU
-build fails in inductor's passes on the fake CUDA tensors) and triton. The device answers are patches of torch and
+the head would trace its CPU path, float32 copies of its operands, which no GPU runs. It needs a CUDA build of
+torch (pip's default wheel runs on a machine without a GPU; a CPU build fails in inductor's passes on the fake
+CUDA tensors) and triton. The device answers are patches of torch and
 Triton internals, written against torch 2.11.0+cu130 with Triton 3.6 (the GPU node's pair); other versions may
 fail in the lowering, which ends the tool with one line.
 """
