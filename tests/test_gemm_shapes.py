@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from megatron_lite.cli import EXIT_USER_ERROR
 from megatron_lite.training.gemm_shapes import format_table, gemm_table, read_trace, shape_of
-
-REPO = Path(__file__).resolve().parents[1]
+from script_loading import load_script
 
 # Copied from Run 4's trace (users_command_micro_batch_16_profile_steps_21_rank0.trace.json.gz): the QKV projection's
 # addmm and the LM head's first chunk (aten::mm.dtype: bf16 operands, float32 logits), each with the kernel it launched
@@ -83,16 +81,16 @@ def test_shapes_only_for_gemms_recorded_with_their_inputs() -> None:
                                       "Input type": ["float", "float", "float"]}).flops == 2 * 2 * 3 * 4 * 5
 
 
-def test_tool_prints_the_table_and_names_a_bad_file(tmp_path: Path) -> None:
+def test_tool_prints_the_table_and_a_broken_trace_is_a_user_error(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     trace = tmp_path / "steps_3-4_rank0.trace.json.gz"
     with gzip.open(trace, "wt") as handle:
         json.dump({"traceEvents": H200_EVENTS, "deviceProperties": [{"name": "NVIDIA H200"}]}, handle)
-    tool = [sys.executable, str(REPO / "tools" / "gemm_table.py")]
-    shown = subprocess.run([*tool, str(trace), "--per", "2"], capture_output=True, text=True, cwd=tmp_path)
-    assert shown.returncode == 0, shown.stderr
-    assert "ms per 1/2 of the trace" in shown.stdout and "| 0.5 | 0.11 | 628.5 | 64% |" in shown.stdout
+    tool = load_script("tools/gemm_table.py")
+    assert tool.main([str(trace), "--per", "2"]) == 0
+    shown = capsys.readouterr().out
+    assert "ms per 1/2 of the trace" in shown and "| 0.5 | 0.11 | 628.5 | 64% |" in shown  # the H200's peak
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
-    failed = subprocess.run([*tool, str(broken)], capture_output=True, text=True, cwd=tmp_path)
-    assert failed.returncode == 2 and "broken.json: not a readable profiler trace" in failed.stderr
-    assert "Traceback" not in failed.stderr
+    assert tool.main([str(broken)]) == EXIT_USER_ERROR
+    assert "broken.json: not a readable profiler trace" in capsys.readouterr().err
