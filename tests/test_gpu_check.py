@@ -366,7 +366,8 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
 def test_the_prepared_gpu_calls_still_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """docs/gpu_runs/next/'s calls are run as they are by the next session lent a GPU (15 minutes, no room for a
     typo): each is valid bash, call A's gpu_check arguments parse (a renamed flag or value fails here, not on the
-    node), and call B's users' variants, its gpu_check arguments and its speedrun probe arguments exist."""
+    node), and call B's users' variants, its gpu_check arguments, its speedrun probe arguments and its profile_step
+    arguments exist."""
     calls = sorted((REPO / "docs/gpu_runs/next").glob("call_*.sh"))
     assert [call.name for call in calls] == ["call_a.sh", "call_b.sh"]
     for call in calls:
@@ -399,3 +400,9 @@ def test_the_prepared_gpu_calls_still_parse(tmp_path: Path, capsys: pytest.Captu
     load_script("tools/reproduce.py").parse_args(arguments)
     keys = [value.split("=")[0] for flag, value in zip(arguments, arguments[1:]) if flag == "--set"]
     assert keys == ["train.cuda_graphs"] and "cuda_graphs" in config_lib.TrainConfig.__dataclass_fields__
+    (profile,) = re.findall(r"python3 tools/profile_step\.py (.*?) >", call_b.replace("\\\n", " "))
+    for what in ("--scheme rope", "--model hf_twin"):  # parsed, then stopped by the missing GPU before any work
+        words = profile.replace("$what", what).replace("$RES", str(tmp_path)).replace("${model}", "m")
+        if not torch.cuda.is_available():
+            assert load_script("tools/profile_step.py").main(shlex.split(words)) == EXIT_USER_ERROR
+            assert "profile_step needs a CUDA device" in capsys.readouterr().err

@@ -4,6 +4,7 @@ tests/test_extrapolation_eval.py profiles its run."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,6 +15,7 @@ import torch
 from megatron_lite import config as config_lib
 from megatron_lite.config import ProfileConfig
 from megatron_lite.bench.step_profile import MODELS, ProfileSettings, gemm_section, training_step
+from megatron_lite.training.gemm_shapes import format_table, gemm_table, read_trace
 from megatron_lite.training.kernel_kinds import kind_of
 from megatron_lite.training.profiling import StepProfiler, describe_window, summarise, union_length
 
@@ -125,7 +127,7 @@ def test_bad_profile_settings_name_the_key(assignment: str, message: str) -> Non
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_profile_step_trains_ours_and_the_twin(model: str) -> None:
+def test_profile_step_trains_ours_and_the_twin(model: str, tmp_path: Path) -> None:
     """tools/profile_step.py's step for either model builds and runs on CPU at a tiny size (the profile itself
     needs CUDA), from the config and scheme given; a model the tool does not know is one error line."""
     settings = ProfileSettings(model=model, label="rope", micro_batch=2, config_path="configs/tiny/rope.yml")
@@ -133,7 +135,10 @@ def test_profile_step_trains_ours_and_the_twin(model: str) -> None:
     assert config.precision == "bf16" and config.model.position.scheme == "rope"
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as profiler:
         step()
-    gemms = gemm_section(profiler, steps=1)  # the 4 layers' QKV projections: (2 x 128 tokens) x 128 -> 3 x 128
+    kept = tmp_path / "profile" / f"{model}.trace.json.gz"
+    gemms = gemm_section(profiler, steps=1, trace_path=kept)  # the 4 layers' QKV: (2 x 128 tokens) x 128 -> 3 x 128
     assert gemms.startswith("GEMMs by shape (cpu; ") and "| addmm 256 x 128 x 384 | bf16 | 4 |" in gemms, gemms
+    assert gzip.open(kept).read().lstrip().startswith(b"{")  # kept, gzip'd, and read back to the same table
+    assert format_table(gemm_table(read_trace(kept)), 1, "per step") == gemms
     with pytest.raises(ValueError, match="^--model gpt2: must be one of ours, hf_twin$"):
         ProfileSettings(model="gpt2")

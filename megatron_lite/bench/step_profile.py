@@ -42,6 +42,7 @@ class ProfileSettings:
     steps: int = 2
     row_limit: int = 30
     model: str = "ours"  # MODELS: ours (label's scheme) or the Hugging Face twin (GPT-NeoX with RoPE)
+    trace_path: Path | None = None  # where to keep the profiler's trace (.json or .json.gz); None: not kept
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -92,13 +93,15 @@ def profile_step(settings: ProfileSettings) -> str:
               f"wall per step {wall_s / settings.steps * 1e3:.1f} ms (profiled)")
     table = profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=settings.row_limit,
                                           max_name_column_width=70)
-    return f"{title}\n{table}\n{gemm_section(profiler, settings.steps)}"
+    return f"{title}\n{table}\n{gemm_section(profiler, settings.steps, settings.trace_path)}"
 
 
-def gemm_section(profiler: torch.profiler.profile, steps: int) -> str:
-    """The GEMMs-by-shape table of a finished profile recorded with shapes, per step (read from its trace)."""
+def gemm_section(profiler: torch.profiler.profile, steps: int, trace_path: Path | None = None) -> str:
+    """The GEMMs-by-shape table of a finished profile recorded with shapes, per step, read from its trace: written
+    to ``trace_path`` (kept for later reading, e.g. by tools/gemm_table.py), or to a temporary file."""
     with tempfile.TemporaryDirectory() as directory:
-        path = Path(directory) / "trace.json"
+        path = trace_path if trace_path is not None else Path(directory) / "trace.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(path))
         table = gemm_table(read_trace(path))
     return format_table(table, steps, "per step", known_peak_tflops(table.device))

@@ -6,8 +6,9 @@
 #   2. the users' command as it runs by default (CUDA graphs) at micro batch 32 -> users_b.json, its log, metrics and
 #      profile
 #   3. the profiler's table of two compiled steps at micro batch 64 (tools/profile_step.py): rope regional, then
-#      the HF twin's model.compile() -> profile_{rope,twin}_64.txt: kernel time by kind for each, the 1.3x miss's
-#      table
+#      the HF twin's model.compile() -> profile_{rope,twin}_64.txt: kernel time by kind for each and the GEMMs by
+#      shape, the 1.3x miss's tables; their traces profile_{rope,twin}_64.trace.json.gz (added 2026-11-28, eighteenth
+#      session: read afterwards with tools/gemm_table.py, or for the Triton kernels' bandwidth)
 #   4. the quick check's throughput rows for rope at micro batch 16 (the users' micro batch), compiled plain and with
 #      CUDA graphs, beside the twin's -> throughput_16.{md,json}: the twin ratio where the host binds
 #   5. the users' command at micro batch 16 with train.cuda_graphs=false (the no_cuda_graphs variant: the same-run
@@ -66,7 +67,8 @@ for model in rope twin; do
   what=$([ "$model" = twin ] && echo "--model hf_twin" || echo "--scheme rope")
   # shellcheck disable=SC2086
   timeout 120 python3 tools/profile_step.py $what --compile regional --micro-batch 64 \
-    --out "$RES/profile_${model}_64.txt" > /dev/null 2> "$RES/profile_${model}_64.err"
+    --out "$RES/profile_${model}_64.txt" --trace "$RES/profile_${model}_64.trace.json.gz" \
+    > /dev/null 2> "$RES/profile_${model}_64.err"
   echo "[t=$(el)] profile $model exited $?"; head -3 "$RES/profile_${model}_64.txt"; pack
 done
 timeout 150 python3 tools/gpu_check.py --quick --force --only throughput --schemes rope --micro-batch 16 \
