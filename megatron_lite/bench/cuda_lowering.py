@@ -148,13 +148,25 @@ def heads_cuda_gemms_on_cpu() -> Iterator[None]:
     ``aten::mm.dtype`` has a CPU kernel (registered for the block only, removed after it)."""
     from megatron_lite.model import loss
 
-    library = torch.library.Library("aten", "IMPL")
-    library.impl("mm.dtype", _mm_float32_output_on_cpu, "CPU")
+    library = None
+    if not _cpu_has_mm_float32_output():  # a torch whose CPU has its own kernel keeps it
+        library = torch.library.Library("aten", "IMPL")
+        library.impl("mm.dtype", _mm_float32_output_on_cpu, "CPU")
     try:
         with mock.patch.object(loss, "native_float32_output", lambda device: hasattr(torch.ops.aten.mm, "dtype")):
             yield
     finally:
-        library._destroy()
+        if library is not None:
+            library._destroy()
+
+
+def _cpu_has_mm_float32_output() -> bool:
+    one = torch.ones(1, 1, dtype=torch.bfloat16)
+    try:
+        torch.mm(one, one, out_dtype=torch.float32)
+    except (NotImplementedError, RuntimeError, TypeError):
+        return False
+    return True
 
 
 @contextlib.contextmanager
