@@ -145,7 +145,7 @@ def _mm_float32_output_on_cpu(a: torch.Tensor, b: torch.Tensor, out_dtype: torch
 @contextlib.contextmanager
 def heads_cuda_gemms_on_cpu() -> Iterator[None]:
     """Within it, the fused LM head on a CPU takes its CUDA path: ``loss.native_float32_output`` says yes, and
-    ``aten::mm.dtype`` has a CPU kernel (registered for the block only, removed after it)."""
+    ``aten::mm.dtype`` has a CPU kernel (registered for the with-block only, removed after it)."""
     from megatron_lite.model import loss
 
     library = None
