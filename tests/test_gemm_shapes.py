@@ -74,6 +74,16 @@ def test_cpu_profile_rows_match_the_products_taken(tmp_path: Path) -> None:
     assert "| mm 64 x 32 x 16 | fp32 | 1.5 |" in text and "of peak" not in text
 
 
+def test_an_eager_float32_output_gemm_is_named_by_its_out_dtype() -> None:
+    """Eager ``torch.mm(a, b, out_dtype=torch.float32)`` on CUDA: no output tensor recorded, the ScalarType code is."""
+    args = {"Input Dims": [[4096, 1024], [1024, 16000], []], "Input type": ["c10::BFloat16", "c10::BFloat16", "Scalar"],
+            "Concrete Inputs": ["", "", "6"]}
+    assert shape_of("aten::mm", args).dtype == "bf16->fp32"
+    plain_addmm = {"Input Dims": [[16], [64, 32], [32, 16], [], []], "Concrete Inputs": ["", "", "", "1", "1"],
+                   "Input type": ["float", "float", "float", "Scalar", "Scalar"]}  # beta, alpha: not dtypes
+    assert shape_of("aten::addmm", plain_addmm).dtype == "fp32"
+
+
 def test_shapes_only_for_gemms_recorded_with_their_inputs() -> None:
     assert shape_of("aten::add", {"Input Dims": [[2, 2], [2, 2]]}) is None
     assert shape_of("aten::mm", {}) is None  # recorded without record_shapes

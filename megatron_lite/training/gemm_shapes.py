@@ -25,6 +25,7 @@ from megatron_lite.training.kernel_kinds import kind_of
 # operator -> index of its first matrix operand among the recorded inputs (the bias/accumulator comes first)
 GEMM_OPERATORS = {"aten::mm": 0, "aten::bmm": 0, "aten::addmm": 1, "aten::baddbmm": 1, "aten::_addmm_activation": 1}
 DTYPES = {"c10::BFloat16": "bf16", "c10::Half": "fp16", "float": "fp32", "double": "fp64"}
+SCALAR_TYPES = {"5": "fp16", "6": "fp32", "7": "fp64", "15": "bf16"}  # c10::ScalarType codes, as a trace records them
 
 
 @dataclass(frozen=True)
@@ -77,8 +78,14 @@ def shape_of(name: str, args: dict[str, Any]) -> GemmShape | None:
     batch = a[0] if len(a) == 3 else 1
     m, k, n = a[-2], a[-1], b[-1]
     operand = DTYPES.get(types[first], types[first]) if types and len(types) > first else "?"
-    # aten::mm.dtype records its output tensor last, in the output's dtype (float32 logits from bf16 operands)
-    output = DTYPES.get(types[-1], types[-1]) if types and dims[-1] == [*a[:-1], n] and len(dims) > first + 2 else None
+    # aten::mm.dtype (float32 logits from bf16 operands) records its out_dtype after the operands, as a ScalarType
+    # code, and an output tensor given to it (out=, as inductor calls it) last, in the output's dtype
+    concrete = args.get("Concrete Inputs") or []
+    output = None
+    if name in ("aten::mm", "aten::bmm") and len(concrete) > 2 and str(concrete[2]) in SCALAR_TYPES:
+        output = SCALAR_TYPES[str(concrete[2])]
+    elif types and len(dims) > first + 2 and dims[-1] == [*a[:-1], n]:
+        output = DTYPES.get(types[-1], types[-1])
     dtype = operand if output in (None, operand) else f"{operand}->{output}"
     return GemmShape(name, batch, m, k, n, dtype)
 
