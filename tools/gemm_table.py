@@ -17,8 +17,7 @@ import argparse
 from pathlib import Path
 
 from megatron_lite.cli import cli_main, run_cli
-from megatron_lite.training.gemm_shapes import format_table, gemm_table, read_trace
-from megatron_lite.training.metrics import known_peak_tflops
+from megatron_lite.training.gemm_shapes import trace_gemm_text
 
 
 @cli_main
@@ -30,11 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=None, help="default: the trace's device's, if known")
     args = parser.parse_args(argv)
     label = args.per_label or ("per trace" if args.per == 1 else f"per 1/{args.per} of the trace")
-    tables = []
-    for path in args.traces:
-        table = gemm_table(read_trace(path))
-        peak = args.peak_tflops if args.peak_tflops is not None else known_peak_tflops(table.device)
-        tables.append(f"{path.name}\n{format_table(table, args.per, label, peak)}")
+    tables = [f"{path.name}\n{trace_gemm_text(path, args.per, label, args.peak_tflops)}" for path in args.traces]
     print("\n\n".join(tables))
     return 0
 

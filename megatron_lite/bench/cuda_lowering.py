@@ -27,11 +27,11 @@ import copy
 import importlib.util
 import re
 import types
-from unittest import mock
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 

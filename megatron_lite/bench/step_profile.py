@@ -23,8 +23,7 @@ from megatron_lite import config as config_lib
 from megatron_lite.bench.gpu_check import build_for_throughput, throughput_step
 from megatron_lite.config import Config
 from megatron_lite.model.variants import variant_named
-from megatron_lite.training.gemm_shapes import format_table, gemm_table, read_trace
-from megatron_lite.training.metrics import known_peak_tflops
+from megatron_lite.training.gemm_shapes import trace_gemm_text
 from megatron_lite.training.profiling import summarise
 
 MODELS = ("ours", "hf_twin")
@@ -103,5 +102,4 @@ def gemm_section(profiler: torch.profiler.profile, steps: int, trace_path: Path 
         path = trace_path if trace_path is not None else Path(directory) / "trace.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(path))
-        table = gemm_table(read_trace(path))
-    return format_table(table, steps, "per step", known_peak_tflops(table.device))
+        return trace_gemm_text(path, steps, "per step")

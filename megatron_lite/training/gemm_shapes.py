@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_lite.training.kernel_kinds import kind_of
+from megatron_lite.training.metrics import known_peak_tflops
 
 # operator -> index of its first matrix operand among the recorded inputs (the bias/accumulator comes first)
 GEMM_OPERATORS = {"aten::mm": 0, "aten::bmm": 0, "aten::addmm": 1, "aten::baddbmm": 1, "aten::_addmm_activation": 1}
@@ -168,3 +169,11 @@ def format_table(table: GemmTable, per: int = 1, per_label: str = "per trace",
         lines += ["", f"{table.unattributed_calls / per:g} GEMM kernels ({table.unattributed_s / per * 1e3:.2f} ms) "
                       "launched by no recorded GEMM operator (replayed from CUDA graphs): their shapes are unknown"]
     return "\n".join(lines)
+
+
+def trace_gemm_text(path: Path, per: int = 1, per_label: str = "per trace", peak_tflops: float | None = None) -> str:
+    """``format_table`` of the trace at ``path``; the peak, unless given, the trace's device's (if known).
+    ValueError naming the file if it is not a readable trace."""
+    table = gemm_table(read_trace(path))
+    peak = peak_tflops if peak_tflops is not None else known_peak_tflops(table.device)
+    return format_table(table, per, per_label, peak)

@@ -30,9 +30,8 @@ import torch
 from megatron_lite.config import ProfileConfig
 from megatron_lite.console import console
 from megatron_lite.files import write_text_atomic
-from megatron_lite.training.gemm_shapes import format_table, gemm_table, read_trace
+from megatron_lite.training.gemm_shapes import trace_gemm_text
 from megatron_lite.training.kernel_kinds import kind_of
-from megatron_lite.training.metrics import known_peak_tflops
 
 PROFILE_DIR = "profile"
 
@@ -189,8 +188,7 @@ class StepProfiler:
             write_text_atomic(stem.with_name(stem.name + "_shapes.txt"), f"{summary.line()}\n\n{shapes}\n")
             steps = summary.last_step - summary.first_step + 1
             try:  # side work: a trace torch wrote but json cannot read costs this table, not the run
-                gemms = gemm_table(read_trace(trace))
-                text = format_table(gemms, steps, "per step", known_peak_tflops(gemms.device))
+                text = trace_gemm_text(trace, steps, "per step")
             except ValueError as error:
                 text = f"no GEMM table: {error}"
             write_text_atomic(stem.with_name(stem.name + "_gemms.txt"), text + "\n")
