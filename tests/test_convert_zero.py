@@ -109,6 +109,7 @@ def worker(root: Path) -> None:
     train_and_save(engine, root / f"bf16_zero1_ranks{world_size}",
                    lambda: {name: deepspeed.utils.safe_get_full_fp32_param(parameter).detach().clone()
                             for name, parameter in engine.module.named_parameters()})
+    torch.distributed.destroy_process_group()  # else gloo's threads can abort the exit ("terminate called ...")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -62,7 +62,7 @@ def worker(length: int, steps: int, out: Path) -> None:
 
     from megatron_lite.bench.memory import track_peak_memory
     from megatron_lite.model import GPT
-    from megatron_lite.training.distributed import init_distributed
+    from megatron_lite.training.distributed import init_distributed, shutdown_distributed
 
     info = init_distributed()
     config = bench_config(length)
@@ -102,6 +102,7 @@ def worker(length: int, steps: int, out: Path) -> None:
         row = SequenceParallelRow(info.world_size, length, max(peaks), length / statistics.median(seconds),
                                   info.device.type)
         out.write_text(json.dumps(row.__dict__) + "\n")
+    shutdown_distributed()  # every rank got here: the process exits next
 
 
 def run_sequence_parallel_bench(sizes: list[int], length: int, steps: int, out_dir: Path) -> list[SequenceParallelRow]:
