@@ -6,6 +6,7 @@ the CPU build, and skips it)."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,7 +79,7 @@ def _a_cuda_build_with_triton() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _a_cuda_build_with_triton(), reason="needs a CUDA build of torch and triton")
-def test_mix_order_reduction_leaves_four_aten_sums_per_block_backward() -> None:
+def test_mix_order_reduction_leaves_four_aten_sums_per_block_backward(tmp_path: Path) -> None:
     """The 350M block at the users' micro batch of 16 (at 2, too few rows for mix-order reduction): with it
     (inductor's default for CUDA) the backward finishes the two LayerNorms' weight and bias gradients with 4 ATen
     sums; without it, with none and one Triton launch more. The forward is the same either way."""
@@ -96,3 +97,10 @@ def test_mix_order_reduction_leaves_four_aten_sums_per_block_backward() -> None:
     head_forward = mixed[2]
     assert head_forward.library_calls == ["extern_kernels.mm_dtype"] * 6, head_forward.library_calls
     assert "torch.bfloat16)" in head_forward.code and "_to_copy_0.run(primals_3" not in head_forward.code
+    # train.loss_gemm: input_dtype, as the engine sets it: bf16 logits (plain bf16 GEMMs), fewer bytes in the head
+    config = Path(LoweringSettings.config_path).read_text()
+    assert config.count("\ntrain:\n") == 1
+    (tmp_path / "bf16_logits.yml").write_text(config.replace("\ntrain:\n", "\ntrain:\n  loss_gemm: input_dtype\n"))
+    bf16_logits = lower_for_cuda(LoweringSettings(config_path=str(tmp_path / "bf16_logits.yml"), micro_batch=16))
+    assert bf16_logits[2].library_calls == ["extern_kernels.mm"] * 6, bf16_logits[2].library_calls
+    assert bf16_logits[2].bytes_per_token < 0.8 * head_forward.bytes_per_token

@@ -144,7 +144,8 @@ def test_quick_smoke_runs_its_sections_for_the_schemes_given(tmp_path: Path) -> 
 
     rows = {(row["model"], row["mode"], row["loss_gemm"]): row for row in results["throughput"]["rows"]}
     assert list(rows) == [("rope", "eager", "mixed"), ("rope", "eager", "input_dtype"), ("hf_twin", "eager", None),
-                          ("rope", "compiled", "mixed"), ("hf_twin", "compiled", None)]
+                          ("rope", "compiled", "mixed"), ("hf_twin", "compiled", None),
+                          ("rope", "compiled", "input_dtype")]
     assert all(row["status"] == "ok" and row["micro_batch"] == 2 and row["tokens_per_sec"] > 0
                for (_, mode, _), row in rows.items() if mode == "eager")
     assert rows[("rope", "compiled", "mixed")]["compile"] == "regional"
@@ -225,6 +226,13 @@ def test_quick_settings_and_throughput_rows() -> None:
     last = gpu_check.throughput_runs(kernels)[-1]
     assert (last.model, last.mode, last.sdpa_kernel, last.label) == ("rope", "compiled", "flash",
                                                                      "rope compiled (sdpa flash)")
+    # --loss-gemm mixed,input_dtype: rope with bf16 logits eager (after the schemes) and compiled (last)
+    gemms = gpu_check_settings.CheckSettings(out=Path("unused"), quick=True,
+                                             loss_gemms=gpu_check_settings.parse_loss_gemms("mixed,input_dtype"))
+    runs = [(run.label, run.loss_gemm) for run in gpu_check.throughput_runs(gemms)]
+    assert runs == [("rope eager", "mixed"), ("coca_slack eager", "mixed"),
+                    ("rope eager (loss input_dtype)", "input_dtype"), ("hf_twin eager", None), ("coca_slack compiled", "mixed"), ("rope compiled", "mixed"),
+                    ("hf_twin compiled", None), ("rope compiled (loss input_dtype)", "input_dtype")]
 
 
 def test_sdpa_kernel_rows_pin_torchs_kernel() -> None:

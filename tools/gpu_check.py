@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                              "twin: model.compile()")
     parser.add_argument("--loss-gemm", default="mixed", metavar="GEMM,...",
                         help=f"model.lm_head.gemm ({', '.join(LOSS_GEMMS)}): the first for every row of ours, each "
-                             "further one an extra rope eager throughput row")
+                             "further one an extra rope throughput row eager and one compiled")
     parser.add_argument("--sdpa-kernel", default="auto", metavar="KERNEL,...",
                         help=f"torch's SDPA kernel ({', '.join(SDPA_KERNELS)}; auto: torch's own choice, named in "
                              "env): the first for every throughput row, each further one an extra compiled rope row")

@@ -323,6 +323,7 @@ class ThroughputRun:
     loss_gemm: str | None  # ours: model.lm_head.gemm; the HF twin: None
     compile_mode: str | None = None  # ours compiled: megatron_lite.model.compile's mode (None: the check's first)
     sdpa_kernel: str | None = None  # torch's SDPA kernel pinned for the row (None: the check's first)
+    extra_loss_gemm: bool = False  # a row for a further --loss-gemm (its label names it)
 
     @property
     def is_hf(self) -> bool:
@@ -335,24 +336,27 @@ class ThroughputRun:
     @property
     def label(self) -> str:
         """For progress lines: model, mode and an extra compile mode."""
-        extras = [extra for extra in (self.compile_mode, self.sdpa_kernel and f"sdpa {self.sdpa_kernel}") if extra]
+        extras = [extra for extra in (self.extra_loss_gemm and f"loss {self.loss_gemm}", self.compile_mode,
+                                      self.sdpa_kernel and f"sdpa {self.sdpa_kernel}") if extra]
         return f"{self.model} {self.mode}" + (f" ({', '.join(extras)})" if extras else "")
 
 
 def throughput_runs(settings: CheckSettings) -> list[ThroughputRun]:
     """Eager rows first (every scheme, the extra loss-GEMM rows, the HF twin), then compiled ones (the paper's
-    schemes first, then the HF twin, then rope in each extra compile mode): a section budget cuts the most
-    expensive rows, and the extra modes before the twin they are measured against."""
+    schemes first, then the HF twin, then rope in each extra compile mode, with each extra SDPA kernel, with each
+    extra loss GEMM): a section budget cuts the most expensive rows, and the extra ones before the twin they are
+    measured against."""
     schemes = list(settings.schemes or ())
     gemm, *extra_gemms = settings.loss_gemms
     timed_scheme = "rope" if "rope" in schemes else schemes[0]
     runs = [ThroughputRun(label, False, gemm) for label in schemes]
-    runs += [ThroughputRun(timed_scheme, False, extra) for extra in extra_gemms]
+    runs += [ThroughputRun(timed_scheme, False, extra, extra_loss_gemm=True) for extra in extra_gemms]
     runs.append(ThroughputRun(HF_TWIN, False, None))
     runs += [ThroughputRun(label, True, gemm) for label in COMPILE_ORDER if label in schemes]
     runs.append(ThroughputRun(HF_TWIN, True, None))
     runs += [ThroughputRun(timed_scheme, True, gemm, mode) for mode in settings.extra_compile_modes]
     runs += [ThroughputRun(timed_scheme, True, gemm, sdpa_kernel=kernel) for kernel in settings.sdpa_kernels[1:]]
+    runs += [ThroughputRun(timed_scheme, True, extra, extra_loss_gemm=True) for extra in extra_gemms]
     return runs
 
 

@@ -51,7 +51,7 @@ class CheckSettings:
     compile_mode: str = "regional"  # our model's compile (megatron_lite.model.compile); the HF twin: whole
     extra_compile_modes: list[str] = field(default_factory=list)  # each adds a compiled rope throughput row, last
     loss_gemms: list[str] = field(default_factory=lambda: ["mixed"])  # the first for every row of ours; each
-    # further one adds a rope eager throughput row under it
+    # further one adds a rope eager throughput row and a compiled one
     sdpa_kernels: list[str] = field(default_factory=lambda: ["auto"])  # the first for every throughput row; each
     # further one adds a compiled rope row, last
     section_budget_s: float | None = None  # None: FULL_BUDGET_S (quick: QUICK_BUDGET_S per section)
