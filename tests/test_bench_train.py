@@ -38,6 +38,16 @@ def test_cpu_comparison_reports_every_model_and_ratio(tmp_path: Path) -> None:
     (tmp_path / "out.json").write_text(json.dumps(result.__dict__))  # JSON-serialisable as the tool writes it
 
 
+def test_our_models_run_the_configs_loss_head() -> None:
+    """train.fused_loss and train.loss_gemm reach the benchmarked model as the training engine sets them."""
+    from megatron_lite import config as config_lib
+    from megatron_lite.bench.train_bench import _build
+
+    config = config_lib.load(TINY["config_path"], ["train.fused_loss=false", "train.loss_gemm=input_dtype"])
+    model, is_hf = _build("ours_rope", config)
+    assert not is_hf and (model.lm_head.fused, model.lm_head.gemm) == (False, "input_dtype")
+
+
 def test_compiled_vs_eager_rows(tmp_path: Path) -> None:
     assert list(COMPILE_SCHEMES) == ["none", "learned", "sinusoidal", "alibi", "rope", "coca_slack", "coca_strict"]
     settings = TrainBenchSettings(**TINY, compile_schemes=["coca_strict"], compile_backend="eager",

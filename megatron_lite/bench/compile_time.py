@@ -125,6 +125,7 @@ def measure_in_process(settings: CompileTimeSettings, mode: str) -> dict[str, An
     config = config_lib.load(REPO / settings.config_path, settings.overrides())
     torch.manual_seed(config.seed)
     model = GPT(config.model).to(DTYPES[config.precision]).train()
+    model.use_loss_settings(config.train)  # the loss head the trainer would run
     if mode != "eager":
         _compile(model, mode, settings.backend)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)

@@ -127,7 +127,7 @@ def _record_graphs(settings: LoweringSettings) -> tuple[Recorded, int]:
     config = config_lib.with_overrides(base, [f"model.num_layers={layers}", *variant_named(settings.scheme).overrides])
     torch.manual_seed(0)
     model = GPT(config.model).to(torch.bfloat16).train()
-    model.lm_head.fused, model.lm_head.gemm = config.train.fused_loss, config.train.loss_gemm  # as the engine sets
+    model.use_loss_settings(config.train)  # as the engine does
     torch._dynamo.reset()
     compile_model(model, settings.compile_mode, backend=backend,  # type: ignore[arg-type]
                   blocks_per_region=settings.blocks_per_region)

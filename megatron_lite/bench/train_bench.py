@@ -118,7 +118,9 @@ def _fused_step_fn(model: torch.nn.Module, batch: torch.Tensor) -> Callable[[], 
 
 def _scheme_model(config: Config, variant: SchemeVariant) -> GPT:
     torch.manual_seed(config.seed)
-    return GPT(config_lib.with_overrides(config, variant.overrides).model).train()
+    model = GPT(config_lib.with_overrides(config, variant.overrides).model).train()
+    model.use_loss_settings(config.train)  # the loss head the trainer would run
+    return model
 
 
 def _build(label: str, config: Config) -> tuple[torch.nn.Module, bool]:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megatron_lite.config import Config, ModelConfig, RopeScalingConfig
+from megatron_lite.config import Config, ModelConfig, RopeScalingConfig, TrainConfig
 from megatron_lite.model.attention import LlamaAttention, SelfAttention
 from megatron_lite.model.context import PositionContext, build_context
 from megatron_lite.model.kv_cache import KVCache, LayerCache
@@ -176,6 +176,11 @@ class GPT(nn.Module):
         config.position.scaling = scaling
         self.config = config
         self.position.rotary = build_rotary(config)
+
+    def use_loss_settings(self, train: TrainConfig) -> None:
+        """The LM head's loss as ``train`` sets it (``train.fused_loss``, ``train.loss_gemm``): the training engine
+        and every benchmark that times a config's training step."""
+        self.lm_head.fused, self.lm_head.gemm = train.fused_loss, train.loss_gemm
 
     def enable_sequence_parallel(self, group: torch.distributed.ProcessGroup) -> None:
         """Train with DeepSpeed-Ulysses sequence parallelism over ``group`` (model/sequence_parallel.py): each

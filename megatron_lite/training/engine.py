@@ -57,8 +57,7 @@ class StagedEngine:
         if self.stage is not None:
             self.selection = select(model, self.stage.trainable, stage_key(self.stage))
             apply_selection(model, self.selection)
-        model.lm_head.fused = self.config.train.fused_loss
-        model.lm_head.gemm = self.config.train.loss_gemm
+        model.use_loss_settings(self.config.train)
         mpu = sequence_parallel_mpu(self.config.train.sequence_parallel_size)
         if mpu is not None:
             model.enable_sequence_parallel(mpu.get_sequence_parallel_group())
