@@ -335,7 +335,7 @@ class ThroughputRun:
 
     @property
     def label(self) -> str:
-        """For progress lines: model, mode and an extra compile mode."""
+        """For progress lines: model, mode and what an extra row varies (loss GEMM, compile mode, SDPA kernel)."""
         extras = [extra for extra in (self.extra_loss_gemm and f"loss {self.loss_gemm}", self.compile_mode,
                                       self.sdpa_kernel and f"sdpa {self.sdpa_kernel}") if extra]
         return f"{self.model} {self.mode}" + (f" ({', '.join(extras)})" if extras else "")
