@@ -231,8 +231,9 @@ def test_quick_settings_and_throughput_rows() -> None:
                                              loss_gemms=gpu_check_settings.parse_loss_gemms("mixed,input_dtype"))
     runs = [(run.label, run.loss_gemm) for run in gpu_check.throughput_runs(gemms)]
     assert runs == [("rope eager", "mixed"), ("coca_slack eager", "mixed"),
-                    ("rope eager (loss input_dtype)", "input_dtype"), ("hf_twin eager", None), ("coca_slack compiled", "mixed"), ("rope compiled", "mixed"),
-                    ("hf_twin compiled", None), ("rope compiled (loss input_dtype)", "input_dtype")]
+                    ("rope eager (loss input_dtype)", "input_dtype"), ("hf_twin eager", None),
+                    ("coca_slack compiled", "mixed"), ("rope compiled", "mixed"), ("hf_twin compiled", None),
+                    ("rope compiled (loss input_dtype)", "input_dtype")]
 
 
 def test_sdpa_kernel_rows_pin_torchs_kernel() -> None:

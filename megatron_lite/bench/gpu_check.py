@@ -266,7 +266,7 @@ def _compile(model: torch.nn.Module, is_hf: bool, mode: str) -> None:
 
 
 def build_for_throughput(config: Config, is_hf: bool, device: torch.device, compiled: bool,
-                          compile_mode: str = "regional", loss_gemm: str | None = None) -> torch.nn.Module:
+                         compile_mode: str = "regional", loss_gemm: str | None = None) -> torch.nn.Module:
     torch.manual_seed(config.seed)
     with device:
         model = hf_twin(config) if is_hf else GPT(config.model)
@@ -576,7 +576,7 @@ def section_sync(settings: CheckSettings, progress: Progress) -> list[dict[str, 
             try:
                 config = big_config(settings, label)
                 model = build_for_throughput(config, False, device, compiled, settings.compile_mode,
-                                              settings.loss_gemms[0])
+                                             settings.loss_gemms[0])
                 batch = torch.randint(0, config.model.vocab_size, (batch_size, config.model.seq_length + 1),
                                       device=device)
                 inputs, labels = batch[:, :-1], batch[:, 1:]
