@@ -61,7 +61,7 @@ def test_a_run_where_rope_holds_leaves_the_contrast_untested() -> None:
 
 
 def test_the_cpu_pairs_tables_carry_the_comparison() -> None:
-    results = json.loads((REPO / "docs/reproduction/pair/results.json").read_text())
+    results = json.loads((REPO / "benchmarks/runs/2026-11-27_cpu-tiny-pair-curve_cpu/results.json").read_text())
     tables = tables_markdown(results, 4.0)
     assert tables.index("## Against the paper's Table 1, cell by cell") < tables.index("## For comparison")
     assert "this run's 128 tokens, the paper's 512" in tables

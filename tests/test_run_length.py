@@ -18,7 +18,7 @@ from megatron_lite.repro import run_length
 from megatron_lite.repro.run_length import MARKED, MEASURED, RunLength, doc_figures, render
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_RUN = REPO / "docs" / "gpu_runs" / "2026-11-26-h200-quick" / "gpu_check.json"
+GPU_RUN = REPO / "benchmarks" / "runs" / "2026-11-26_quick-check_h200" / "gpu_check.json"
 
 
 @pytest.fixture(scope="module")
