@@ -54,7 +54,7 @@ def run_single_rank_worker(test_file: str, argument: str, **environment: str) ->
 @pytest.fixture(scope="session", autouse=True)
 def _remove_leaked_deepspeed_buffers() -> Iterator[None]:
     """Multi-rank CPU runs leave DeepSpeed's shared-memory all-reduce buffers in /dev/shm (never unlinked,
-    and a killed rank cannot): ~14 per suite run, ~0.9 GB of RAM. Remove the ones this session created."""
+    and a killed rank cannot): ~14 per suite run, ~0.9 GB of RAM. Remove the ones this test run created."""
     before = set(SHARED_MEMORY.glob(DEEPSPEED_SHM_BUFFERS))
     yield
     for leaked in set(SHARED_MEMORY.glob(DEEPSPEED_SHM_BUFFERS)) - before:
@@ -92,7 +92,7 @@ def _deterministic() -> None:
 
 @pytest.fixture(scope="session")
 def training_corpus(tmp_path_factory: pytest.TempPathFactory):
-    """(mix file, data cache dir) of a tiny 75/25 corpus, tokenised once per session."""
+    """(mix file, data cache dir) of a tiny 75/25 corpus, tokenised once per test run."""
     from training_helpers import make_corpus, tiny_train_config
 
     from megatron_lite.data.preprocess import prepare_data

@@ -1,4 +1,4 @@
-"""A checkpoint's lifecycle when a step is written twice or a save fails (issue 38): real train.py runs.
+"""A checkpoint's lifecycle when a step is written twice or a save fails: real train.py runs.
 
 1. A redone step (``--resume none`` in the same run dir, on 2 ranks) replaces its step dir as a unit: the
    earlier save's ``universal/`` conversion does not survive, and a later resume on 1 rank converts the new save

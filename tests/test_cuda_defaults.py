@@ -1,4 +1,4 @@
-"""The CUDA defaults of a training run (issue 35, item 3), checked on CPU: TF32, regional compile, fused AdamW,
+"""The CUDA defaults of a training run, checked on CPU: TF32, regional compile, fused AdamW,
 a bound NCCL device, DataLoader workers that are not forked, and the config keys that choose them.
 
 The CUDA side of each (the warnings a GPU run no longer prints, fused AdamW under DeepSpeed's bf16 and ZeRO

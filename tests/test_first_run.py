@@ -1,4 +1,4 @@
-"""A first run's rough edges (issue 37 item 5), each at unit level: --resume's target checked before anything
+"""A first run's rough edges, each at unit level: --resume's target checked before anything
 starts or is written; the data summary in full once, one line when the cache is reused; no JIT-lock notice for
 the run's own build; the converter naming a run dir as one; git ignoring the docs' example outputs."""
 
@@ -181,7 +181,7 @@ def test_gitignore_covers_the_docs_example_outputs(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The README's entry points (issue 37 item 3)
+# The README's entry points
 
 
 def test_readme_entry_points_are_checked_commands() -> None:

@@ -1,4 +1,4 @@
-"""The install for a machine that already has its own torch (issue 37, item 1).
+"""The install for a machine that already has its own torch.
 
 Fast: constraints-no-torch.txt is what docker/make_constraints.py derives from constraints.txt (its pins
 less torch and torch's own requirements), and the README and the at-scale guide document one command for it.

@@ -1,6 +1,6 @@
-"""A stale lock left by a JIT build killed mid-way (issue 16 item 7): train.py names it while it waits,
+"""A stale lock left by a JIT build killed mid-way: train.py names it while it waits,
 and goes on once it is deleted, instead of sleeping forever without a word; a lock a live build holds
-open is reported as a wait, never as stale (issue 28 item 9)."""
+open is reported as a wait, never as stale."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from training_helpers import run_train, tiny_train_config, write_config
 
 @pytest.fixture
 def corpus(training_corpus: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path]:
-    """(mix file, a private copy of the session's tokenised cache) to damage."""
+    """(mix file, a private copy of the test run's tokenised cache) to damage."""
     mix, cache = training_corpus
     shutil.copytree(cache, tmp_path / "cache", ignore=shutil.ignore_patterns("index"))
     return mix, tmp_path / "cache"

@@ -1,4 +1,4 @@
-"""Attention diagnostics of a checkpoint on real text (issue 18, part 4; docs/diagnostics.md).
+"""Attention diagnostics of a checkpoint on real text (docs/diagnostics.md).
 
 Per layer x head x length, for sampled query rows m against every visible key n <= m:
 
