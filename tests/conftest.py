@@ -38,6 +38,11 @@ DEEPSPEED_SHM_BUFFERS = "deepspeed_allreduce_buffer_*"  # DeepSpeed's CPU all-re
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# dev/ (the instruments that predict GPU figures on a CPU) is not installed: its tests import it from the checkout,
+# appended so that the installed megatron_lite stays the one imported
+if str(Path(__file__).resolve().parents[1]) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parents[1]))
+
 
 def run_single_rank_worker(test_file: str, argument: str, **environment: str) -> Any:
     """Run ``python test_file argument`` as a fresh one-rank process (no launcher's rank variables, one thread,

@@ -31,7 +31,6 @@ def bad_arguments(script: str, tmp_path: Path) -> tuple[list[str], str]:
         "tools/bench_loss_memory.py": (["--chunk-tokens", "0"], "--chunk-tokens 0"),
         "tools/bench_loss_precision.py": (["--tokens", "0"], "--tokens 0"),
         "tools/profile_step.py": (["--micro-batch", "0"], "--micro-batch 0"),
-        "tools/inductor_cuda_code.py": (["--micro-batch", "0"], "--micro-batch 0"),
         "tools/bench_train.py": (["--config", missing, "--no-gpu"], missing),
         "tools/build_data_bundle.py": (["--books", missing, "--eval-books", missing,
                                         "--out", str(tmp_path / "b.tar.xz")], missing),

@@ -1,4 +1,4 @@
-"""tools/inductor_cuda_code.py: what inductor generates for CUDA for one block, read on a CPU. The counting is
+"""dev/inductor_cuda_code.py: what inductor generates for CUDA for one block, read on a CPU. The counting is
 checked on lines of a real generated wrapper (torch 2.11's, for an H200); the lowering itself where a CUDA build of
 torch and triton are installed (a developer's venv with the GPU node's torch 2.11.0+cu130 and triton 3.6; CI has
 the CPU build, and skips it)."""
@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_lite.bench.cuda_lowering import (LoweringSettings, count_launches, format_lowering,
-                                               heads_cuda_gemms_on_cpu, lower_for_cuda, lowering_settings)
+from dev.cuda_lowering import (LoweringSettings, count_launches, format_lowering, heads_cuda_gemms_on_cpu,
+                               lower_for_cuda, lowering_settings)
+from megatron_lite.cli import EXIT_USER_ERROR
 from megatron_lite.model import loss
 
 # from the backward of one rope block at micro batch 16 (the wrapper's call, comments and bookkeeping left out)
@@ -104,3 +105,11 @@ def test_mix_order_reduction_leaves_four_aten_sums_per_block_backward(tmp_path: 
     bf16_logits = lower_for_cuda(LoweringSettings(config_path=str(tmp_path / "bf16_logits.yml"), micro_batch=16))
     assert bf16_logits[2].library_calls == ["extern_kernels.mm"] * 6, bf16_logits[2].library_calls
     assert bf16_logits[2].bytes_per_token < 0.8 * head_forward.bytes_per_token
+
+
+def test_the_tool_reports_a_bad_value_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from dev import inductor_cuda_code
+
+    assert inductor_cuda_code.main(["--micro-batch", "0"]) == EXIT_USER_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("error: --micro-batch 0") and len(err.strip().splitlines()) == 1, err

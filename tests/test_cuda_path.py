@@ -1,5 +1,5 @@
 """The CUDA code path of a bf16 training step, checked on CPU: the model and its inputs live on the ``meta``
-device (no data, every operator still dispatched) and ``megatron_lite.bench.step_census`` makes CUDA's operator
+device (no data, every operator still dispatched) and ``dev.step_census`` (dev/step_census.py) makes CUDA's operator
 choices there (the loss head's ``torch.mm(..., out_dtype=float32)``, fused SDPA) while it counts every GEMM's
 operand dtypes and every operation that would make a GPU wait for the host or the host for the GPU: a copy from
 a host tensor into the model's device, ``item``, ``nonzero``, ``equal``."""
@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from dev.step_census import StepCensus, census_step
 from megatron_lite import config as config_lib
-from megatron_lite.bench.step_census import StepCensus, census_step
 from megatron_lite.model import GPT
 from megatron_lite.model.variants import variant_named
 

@@ -7,7 +7,7 @@ is the summed gradient itself), saves a checkpoint, reads its float32 master wei
 ``megatron_lite.weights`` (BF16_Optimizer's own format at ZeRO 1) and compares the update with the float64 sum of
 the same micro batches' bf16 gradients, computed here on a copy of the model (at ZeRO 1 with the flat sum of
 ``training/fp32_grad_sums.py`` and, bit for bit the same, with DeepSpeed's hook per tensor); the same process then
-runs ``tools/bench_train.py --grad-sums``'s counts for the tiny model (8 bytes per parameter per micro batch, 12
+runs ``python -m dev.cpu_figures --grad-sums``'s counts for the tiny model (8 bytes per parameter per micro batch, 12
 with the hooks). Fast: the flat sum itself on a stand-in of BF16_Optimizer's buffers, and that the engine gets it.
 """
 
@@ -137,7 +137,7 @@ def test_the_flat_sum_adds_each_micro_batchs_bf16_gradients_bit_for_bit(limit: i
 
 def test_the_engine_gets_the_flat_sum(monkeypatch: pytest.MonkeyPatch) -> None:
     """training/engine.py hands DeepSpeed's optimizer to ``fp32_grad_sums.install`` right after initialize (the
-    engines themselves: the slow test, through tools/bench_train.py --grad-sums)."""
+    engines themselves: the slow test, through python -m dev.cpu_figures --grad-sums)."""
     import deepspeed
 
     from megatron_lite.training import checkpoint_engine, fp32_grad_sums
@@ -158,7 +158,7 @@ def test_the_engine_gets_the_flat_sum(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.slow
 def test_the_update_is_the_float32_sum_of_the_micro_batches_at_zero_1_to_3() -> None:
     errors = run_single_rank_worker(__file__, "engines")
-    # tools/bench_train.py --grad-sums on the tiny model, in the same process
+    # python -m dev.cpu_figures --grad-sums on the tiny model, in the same process
     sums = {row["mode"]: row for row in errors.pop("grad_sums")}
     assert [sums[mode]["optimizer"] for mode in ("model", "fp32-hooks", "fp32")] == [
         "DeepSpeedZeroOptimizer", "BF16_Optimizer", "BF16_Optimizer"]
@@ -190,7 +190,7 @@ def test_the_update_is_the_float32_sum_of_the_micro_batches_at_zero_1_to_3() -> 
 def engines_worker() -> dict[str, Any]:
     """Per ENGINE_CASES: relative L2 error of DeepSpeed's update (w0 - w1 with SGD at lr 1) against the float64
     sum of the micro batches' bf16 gradients, each of the loss divided by the accumulation steps as DeepSpeed does;
-    and under "grad_sums" the rows of ``tools/bench_train.py --grad-sums`` for the tiny model."""
+    and under "grad_sums" the rows of ``python -m dev.cpu_figures --grad-sums`` for the tiny model."""
     import deepspeed
 
     from megatron_lite.training import engine as engine_lib
@@ -240,7 +240,7 @@ def engines_worker() -> dict[str, Any]:
             [value.flatten() for value in summed.values()]).norm()).item()
     errors["zero1_flat_equals_hooks"] = all(torch.equal(zero1["fp32"][name], zero1["fp32-hooks"][name])
                                             for name in zero1["fp32"])
-    from megatron_lite.bench.grad_sums import GradSumsSettings, run_grad_sums
+    from dev.grad_sums import GradSumsSettings, run_grad_sums
 
     gc.freeze()
     errors["grad_sums"] = run_grad_sums(GradSumsSettings(config_path="configs/tiny/rope.yml", timed_steps=1),

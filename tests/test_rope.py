@@ -144,7 +144,7 @@ def test_fused_bf16_rotation_is_the_rotation_and_its_gradient_the_inverse(rotary
 def test_fused_bf16_rotation_moves_half_the_bytes() -> None:
     """Forward + backward of the bf16 rotation reads and writes at most ~10 times x's bytes (the expression with
     autograd: over 20), counted as the step census counts it."""
-    from megatron_lite.bench.step_census import CensusMode
+    from dev.step_census import CensusMode
     from megatron_lite.model.rope import rotate
 
     def traffic(dtype_path: torch.dtype) -> float:

@@ -1,8 +1,8 @@
-"""The step census (megatron_lite/bench/step_census.py) counts known tiny cases exactly: GEMM FLOPs by
+"""The step census (dev/step_census.py) counts known tiny cases exactly: GEMM FLOPs by
 operand dtype, SDPA FLOPs apart, sync-class operations (item, nonzero, host-to-device copies), per phase;
 census_bench's table for our schemes and the HF twin on meta; compile_time's worker at toy size with the
 dynamo-only "eager" backend (the inductor comparison itself is a benchmark, not a test); compiled_bytes'
-inductor count at toy size."""
+inductor count at toy size; dev/cpu_figures.py's flags reach their settings."""
 
 from __future__ import annotations
 
@@ -14,16 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from conftest import tiny_config
+from dev.census_bench import HF_TWIN, CensusSettings, format_census, run_census
+from dev.compile_time import CompileTimeSettings, _summary, format_compile_time, measure_in_process, worker_env
+from dev.step_census import HOST_TO_DEVICE, census_step, traffic_bytes
 from megatron_lite import config as config_lib
-from megatron_lite.bench.census_bench import HF_TWIN, CensusSettings, format_census, run_census
-from megatron_lite.bench.compile_time import (
-    CompileTimeSettings,
-    _summary,
-    format_compile_time,
-    measure_in_process,
-    worker_env,
-)
-from megatron_lite.bench.step_census import HOST_TO_DEVICE, census_step, traffic_bytes
 
 
 class TwoGemms(nn.Module):
@@ -179,7 +173,7 @@ def test_compile_time_worker_at_toy_size() -> None:
 def test_the_count_lowers_a_concatenation_as_a_gpu_does() -> None:
     """The rotary's ``x * cos + rotate_half(x) * sin``: one fused kernel, as inductor's GPU backend makes it (its CPU
     backend would copy the concatenation's two inputs with two kernels of their own first)."""
-    from megatron_lite.bench.compiled_bytes import inductor_counting
+    from dev.compiled_bytes import inductor_counting
     from megatron_lite.model.rope import rotate_half
 
     x_BHTD, cos_TD, sin_TD = torch.randn(1, 2, 8, 16), torch.randn(8, 16), torch.randn(8, 16)
@@ -196,7 +190,7 @@ def test_compiled_bytes_per_layer_and_rest() -> None:
     elementwise work), the table and ratio lines printed. And ``--compiled-bytes-kernels``: the block compiled as
     one region, as training compiles it, lists its kernels forward then backward, GEMMs and attention as extern
     calls, and they move what one layer of the whole-model compile moves."""
-    from megatron_lite.bench.compiled_bytes import (
+    from dev.compiled_bytes import (
         CompiledBytesSettings,
         block_kernels,
         format_block_kernels,
@@ -227,3 +221,56 @@ def test_compiled_bytes_per_layer_and_rest() -> None:
     assert 0.8 < sum(row["bytes_per_token"] for row in kernels) / ours["layer_bytes_per_token"] < 1.2
     assert "| forward | generated |" in format_block_kernels("rope", kernels, settings)
 
+
+def test_cpu_figures_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """python -m dev.cpu_figures: --census, --compiled-bytes, --compile-time and --grad-sums reach their settings (the
+    runs themselves: the tests above); a bad value, or no flag, is one error line."""
+    from dev import cpu_figures as cli
+
+    seen: dict[str, object] = {}
+
+    def census(settings: object, progress: object) -> list:
+        seen["census"] = settings
+        return []
+
+    def compile_time(settings: object, progress: object) -> dict:
+        seen["compile_time"] = settings
+        return {"settings": settings.__dict__, "rows": [], "ratios": {}}
+
+    def compiled_bytes(settings: object, progress: object) -> list:
+        seen["compiled_bytes"] = settings
+        return []
+
+    def grad_sums(settings: object, progress: object) -> list:
+        seen["grad_sums"] = settings
+        return []
+
+    monkeypatch.setattr(cli, "run_grad_sums", grad_sums)
+    monkeypatch.setattr(cli, "format_grad_sums", lambda rows, settings: "grad sums table\n")
+    monkeypatch.setattr(cli, "run_census", census)
+    monkeypatch.setattr(cli, "run_compiled_bytes", compiled_bytes)
+    monkeypatch.setattr(cli, "run_compile_time", compile_time)
+    monkeypatch.setattr(cli, "format_census", lambda rows, settings: "census table\n")
+    assert cli.main(["--census", "--census-devices", "meta", "--census-gemm", "mixed", "fp32", "--compile-time",
+                     "--compile-layers", "2", "--compile-backend", "eager", "--compile-modes", "whole,regional",
+                     "--compiled-bytes", "--compiled-bytes-schemes", "coca_strict",
+                     "--compiled-bytes-batch-size", "3", "--grad-sums", "--grad-sums-set", "model.num_layers=2",
+                     "--grad-sums-accumulation", "2"]) == 0
+    assert (seen["grad_sums"].overrides, seen["grad_sums"].accumulation) == (["model.num_layers=2"], 2)
+    assert (seen["compiled_bytes"].schemes, seen["compiled_bytes"].batch_size) == (["coca_strict"], 3)
+    assert seen["census"].devices == ["meta"] and seen["census"].gemms == ["mixed", "fp32"]
+    assert seen["census"].precision == "bf16" and seen["census"].schemes == ["rope", "coca_slack", "coca_strict", "alibi"]
+    compile_settings = seen["compile_time"]
+    assert (compile_settings.layers, compile_settings.hidden, compile_settings.backend) == (2, 128, "eager")
+    assert compile_settings.modes == ["whole", "regional"]
+    assert "census table" in (out := capsys.readouterr().out) and "grad sums table" in out
+    assert cli.main(["--compile-time", "--compile-modes", "whole,bogus"]) == 2  # one error line, nothing run
+    assert cli.main(["--census", "--census-devices", "tpu"]) == 2
+    assert cli.main(["--compiled-bytes", "--compiled-bytes-batch-size", "0"]) == 2
+    assert cli.main(["--grad-sums", "--grad-sums-micro-batches", "1"]) == 2
+    assert cli.main([]) == 2
+    errors = capsys.readouterr().err
+    assert "--grad-sums-micro-batches 1: must be >= 2" in errors
+    assert "--compile-modes 'whole,bogus'" in errors and "--census-devices 'tpu'" in errors
+    assert "--compiled-bytes-batch-size 0" in errors and "error: nothing to run" in errors
+    assert all(line.startswith("error: ") for line in errors.splitlines()), errors

@@ -11,24 +11,6 @@ each sequence-parallel size (one launch of P ranks each; megatron_lite/bench/seq
 
     python tools/bench_train.py --sequence-parallel 1,2,4 [--sequence-length 8192] [--json OUT.json]
 
-CPU figures that predict the GPU (docs/benchmarks.md#what-the-cpu-figures-predict-on-a-gpu), each with its ratios
-from one run, instead of the throughput comparison:
-
-    python tools/bench_train.py --census [--census-devices cpu,meta] [--census-config configs/coca_350m.yml]
-    python tools/bench_train.py --compiled-bytes [--compiled-bytes-batch-size 2]
-    python tools/bench_train.py --compiled-bytes-kernels [--compiled-bytes-schemes rope --compiled-bytes-batch-size 16]
-    python tools/bench_train.py --compile-time [--compile-layers 24 --compile-hidden 128]
-    python tools/bench_train.py --grad-sums [--grad-sums-config configs/coca_350m.yml]
-
-``--census``: for our schemes and the Hugging Face twin, one bf16 training step counted under a dispatch mode:
-the share of GEMM FLOPs with float32 operands, sync-class operations, dispatched operators
-(megatron_lite/bench/step_census.py, census_bench.py). ``--compiled-bytes``: inductor's bytes per token of the
-compiled block and of the rest, ours vs the twin (megatron_lite/bench/compiled_bytes.py); ``--compiled-bytes-kernels``
-each kernel of one regionally compiled block instead. ``--compile-time``: first step and compiled step,
-compile_model "whole" vs "regional", each in a fresh process (megatron_lite/bench/compile_time.py). ``--grad-sums``:
-the memory traffic DeepSpeed's backward and step add when a bf16 run sums its gradients in float32
-(train.grad_accum_dtype, megatron_lite/bench/grad_sums.py).
-
 The logic lives in megatron_lite/bench/train_bench.py.
 """
 
@@ -41,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from megatron_lite.bench.predictors import add_predictor_arguments, predictor_mode
 from megatron_lite.bench.train_bench import (
     COMPILE_SCHEMES,
     TrainBenchSettings,
@@ -73,12 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequence-length", type=int, default=8192, help="sequence-parallel mode: the length")
     parser.add_argument("--sequence-parallel-steps", type=int, default=2,
                         help="sequence-parallel mode: timed steps per size (median reported)")
-    add_predictor_arguments(parser)
     args = parser.parse_args(argv)
     if args.sequence_parallel is not None:
         return _sequence_parallel_mode(args)
-    if args.census or args.compiled_bytes or args.compiled_bytes_kernels or args.compile_time or args.grad_sums:
-        return predictor_mode(args)
     for name in ("batch_size", "rounds", "steps_per_round", "gpu_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")

@@ -6,9 +6,9 @@ of the compiled steps, for each mode in a fresh Python process, so that nothing 
 in memory carries over, with inductor's on-disk caches off (``TORCHINDUCTOR_FX_GRAPH_CACHE=0``,
 ``TORCHINDUCTOR_AUTOGRAD_CACHE=0``) and a fresh ``TORCHINDUCTOR_CACHE_DIR`` and ``TMPDIR`` per mode (the
 latter holds inductor's precompiled headers). An eager process
-gives the reference step. The ratio the issue sets a target for: whole / regional first step (>= 3).
+gives the reference step. The ratio with a target: whole / regional first step (>= 3).
 
-    python -m megatron_lite.bench.compile_time '{"mode": "regional", ...}'   # one worker (used internally)
+    python -m dev.compile_time '{"mode": "regional", ...}'   # one worker (used internally)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]  # the checkout: dev/ is not installed
 # regional-cpp-wrapper: regional with inductor's C++ wrapper (train.compile_cpp_wrapper); at a width where kernels
 # cost almost nothing its step time is the host's floor, and regional / regional-cpp-wrapper what launching each
 # kernel from C++ instead of Python saves per step (not run unless asked)
@@ -37,7 +37,7 @@ DEFAULT_MODES = MODES[:3]
 # what fewer region calls save the host per step and what the larger graph costs the first step
 GROUPED_PREFIX = "regional-blocks-"
 RESULT_MARK = "COMPILE_TIME_RESULT "
-FIRST_STEP_TARGET = 3.0  # whole / regional first-step time (issue 35, item 4)
+FIRST_STEP_TARGET = 3.0  # whole / regional first-step time: what regional compile is for
 
 
 def blocks_per_region(mode: str) -> int | None:
@@ -178,7 +178,7 @@ def measure_mode(settings: CompileTimeSettings, mode: str) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=f"compile_time_{mode}_") as cache_dir:
         start = time.perf_counter()
         completed = subprocess.run(
-            [sys.executable, "-m", "megatron_lite.bench.compile_time", json.dumps({**asdict(settings), "mode": mode})],
+            [sys.executable, "-m", "dev.compile_time", json.dumps({**asdict(settings), "mode": mode})],
             capture_output=True, text=True, env=worker_env(cache_dir), cwd=REPO, timeout=settings.timeout_s)
         wall = time.perf_counter() - start
     lines = [line for line in completed.stdout.splitlines() if line.startswith(RESULT_MARK)]

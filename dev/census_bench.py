@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from dev.step_census import HOST_TO_DEVICE, census_step
 from megatron_lite import config as config_lib
-from megatron_lite.bench.step_census import HOST_TO_DEVICE, census_step
 from megatron_lite.bench.train_bench import hf_gpt_neox
 from megatron_lite.config import Config
 from megatron_lite.model import GPT

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from dev.step_census import CensusMode
 from megatron_lite import config as config_lib
-from megatron_lite.bench.step_census import CensusMode
 from megatron_lite.eval.report import markdown_table
 
 MODES = ("model", "fp32-hooks", "fp32")

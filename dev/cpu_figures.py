@@ -1,15 +1,31 @@
-"""tools/bench_train.py's flags for the CPU figures that predict the GPU: ``--census`` (census_bench.py over
-step_census.py), ``--compiled-bytes`` (compiled_bytes.py), ``--compile-time`` (compile_time.py) and ``--grad-sums``
-(grad_sums.py). Each prints its table and ratios from one run; ``--json`` writes the results."""
+#!/usr/bin/env python
+"""CPU figures that predict a GPU step: the step census, inductor's bytes, compile time and gradient sums.
+
+    python -m dev.cpu_figures --census [--census-devices cpu,meta] [--census-config configs/coca_350m.yml]
+    python -m dev.cpu_figures --compiled-bytes [--compiled-bytes-batch-size 2]
+    python -m dev.cpu_figures --compiled-bytes-kernels [--compiled-bytes-schemes rope --compiled-bytes-batch-size 16]
+    python -m dev.cpu_figures --compile-time [--compile-layers 24 --compile-hidden 128]
+    python -m dev.cpu_figures --grad-sums [--grad-sums-config configs/coca_350m.yml]
+
+Run from the repository root (dev/ is not installed). ``--census``: for our schemes and the Hugging Face twin, one
+bf16 training step counted under a dispatch mode: the share of GEMM FLOPs with float32 operands, sync-class
+operations, dispatched operators (step_census.py, census_bench.py). ``--compiled-bytes``: inductor's bytes per token
+of the compiled block and of the rest, ours vs the twin (compiled_bytes.py); ``--compiled-bytes-kernels`` each kernel
+of one regionally compiled block instead. ``--compile-time``: first step and compiled step, compile_model "whole" vs
+"regional", each in a fresh process (compile_time.py). ``--grad-sums``: the memory traffic DeepSpeed's backward and
+step add when a bf16 run sums its gradients in float32 (train.grad_accum_dtype, grad_sums.py). Each prints its table
+and ratios from one run; ``--json`` writes the results.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
-from megatron_lite.bench.census_bench import CENSUS_DEVICES, CENSUS_SCHEMES, CensusSettings, format_census, run_census
-from megatron_lite.bench.compiled_bytes import (
+from dev.census_bench import CENSUS_DEVICES, CENSUS_SCHEMES, CensusSettings, format_census, run_census
+from dev.compiled_bytes import (
     COMPILED_BYTES_SCHEMES,
     CompiledBytesSettings,
     block_kernels,
@@ -17,9 +33,10 @@ from megatron_lite.bench.compiled_bytes import (
     format_compiled_bytes,
     run_compiled_bytes,
 )
-from megatron_lite.bench.compile_time import (DEFAULT_MODES, GROUPED_PREFIX, MODES, CompileTimeSettings,
-                                              blocks_per_region, format_compile_time, run_compile_time)
-from megatron_lite.bench.grad_sums import GradSumsSettings, format_grad_sums, run_grad_sums
+from dev.compile_time import (DEFAULT_MODES, GROUPED_PREFIX, MODES, CompileTimeSettings, blocks_per_region,
+                              format_compile_time, run_compile_time)
+from dev.grad_sums import GradSumsSettings, format_grad_sums, run_grad_sums
+from megatron_lite.cli import cli_main, run_cli
 
 LOSS_GEMMS = ("mixed", "input_dtype", "fp32")
 
@@ -32,7 +49,7 @@ def _names(value: str, known: tuple[str, ...], flag: str) -> list[str]:
     return names
 
 
-def add_predictor_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     census = parser.add_argument_group("step census (--census)")
     census.add_argument("--census", action="store_true",
                         help="print the step census of ours and the HF twin (fp32-operand GEMM share, sync ops, "
@@ -80,6 +97,8 @@ def add_predictor_arguments(parser: argparse.ArgumentParser) -> None:
                               help="fresh processes per mode, interleaved (medians reported)")
     compile_time.add_argument("--compile-threads", type=int, default=defaults.threads,
                               help="torch threads per worker (0: torch's default)")
+    compile_time.add_argument("--compile-backend", default=defaults.backend,
+                              help="torch.compile backend (eager or aot_eager: dynamo only, a quick smoke)")
     sums = parser.add_argument_group("gradient sums (--grad-sums)")
     sums.add_argument("--grad-sums", action="store_true",
                       help="count the memory traffic and operators of DeepSpeed's backward and step at ZeRO 1 in bf16, "
@@ -144,9 +163,17 @@ def grad_sums_settings(args: argparse.Namespace) -> GradSumsSettings:
     return settings
 
 
-def predictor_mode(args: argparse.Namespace) -> int:
+@cli_main
+def main(argv: list[str] | None = None) -> int:
     """--census, --compiled-bytes (or its kernels), --compile-time and/or --grad-sums: tables on stdout, progress on
     stderr, results to --json."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, default=None, metavar="OUT.json")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if not (args.census or args.compiled_bytes or args.compiled_bytes_kernels or args.compile_time or args.grad_sums):
+        raise ValueError("nothing to run: give --census, --compiled-bytes, --compiled-bytes-kernels, --compile-time "
+                         "and/or --grad-sums")
     census = census_settings(args) if args.census else None  # every flag checked before anything runs
     compiled_bytes = compiled_bytes_settings(args) if args.compiled_bytes or args.compiled_bytes_kernels else None
     compile_time = compile_time_settings(args) if args.compile_time else None
@@ -181,3 +208,7 @@ def predictor_mode(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(output, indent=2) + "\n")
         print(f"\nwrote {args.json}")
     return 0
+
+
+if __name__ == "__main__":
+    run_cli(main)

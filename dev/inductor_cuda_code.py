@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What inductor generates for CUDA for the compiled regions, on a machine without a GPU.
 
-    python tools/inductor_cuda_code.py [--scheme rope] [--micro-batch 16] [--inductor NAME=VALUE ...]
+    python -m dev.inductor_cuda_code [--scheme rope] [--micro-batch 16] [--inductor NAME=VALUE ...]
         [--compile-mode regional|whole] [--layers N] [--blocks-per-region K] [--out DIR]
 
 Prints, for each compiled region's forward and backward (regional: one transformer block, or --blocks-per-region K
@@ -9,8 +9,8 @@ of them, and the LM head; whole: the model at --layers layers; bf16, an H200's d
 its wrapper launches, its library calls (GEMMs, attention), the ATen reductions it runs between them, and inductor's
 bytes per token; --out keeps each generated wrapper. --inductor takes inductor settings as train.compile_options
 does (e.g. triton.mix_order_reduction=false). Needs a CUDA build of torch (pip's default wheel, which runs without
-a GPU) and triton; written against the GPU node's torch 2.11.0+cu130 with triton 3.6. The logic lives in
-megatron_lite/bench/cuda_lowering.py.
+a GPU) and triton; written against the GPU node's torch 2.11.0+cu130 with triton 3.6. Run from the repository root
+(dev/ is not installed). The logic lives in dev/cuda_lowering.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from megatron_lite.bench.cuda_lowering import format_lowering, lower_for_cuda, lowering_settings
+from dev.cuda_lowering import format_lowering, lower_for_cuda, lowering_settings
 from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.model.compile import COMPILE_MODES
 from megatron_lite.model.variants import LABELS

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dev.census_bench import HF_TWIN
 from megatron_lite import config as config_lib
-from megatron_lite.bench.census_bench import HF_TWIN
 from megatron_lite.bench.train_bench import hf_gpt_neox
 from megatron_lite.config import Config
 from megatron_lite.model import GPT
