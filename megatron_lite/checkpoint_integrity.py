@@ -25,7 +25,8 @@ and rebuilt when damaged (megatron_lite/training/checkpointing.py).
 ``verify_checkpoint`` checks a rank's share of every file under the step dir, recursively (sizes
 first, then hashes, then the pickles), and rank 0 refuses any file that no manifest lists, so a
 truncated, bit-flipped or planted file is found before DeepSpeed reads anything. Hidden staging
-folders of an interrupted conversion (``.<name>.partial-<pid>``) are never read and are skipped.
+folders of an interrupted conversion (``.<name>.partial-<pid>``) are never read and are skipped (the next
+resume from the step removes them: ``convert.universal.remove_interrupted_conversions``).
 Checkpoints written before manifests existed have none: their pickles are still checked, their bytes
 cannot be.
 """

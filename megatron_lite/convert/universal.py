@@ -6,7 +6,8 @@ on the world size that wrote it. ``deepspeed.checkpoint.ds_to_universal`` rewrit
 files), which ``checkpoint.load_universal`` repartitions for the current ranks.
 
 ``convert_to_universal`` runs that conversion atomically: in a hidden staging folder beside the output
-(``.<name>.partial-<pid>``, skipped by verification and removed by the next attempt), reading a
+(``.<name>.partial-<pid>``, skipped by verification; one that a killed conversion left in a step dir is removed
+by the next resume from that step or conversion of it: ``remove_interrupted_conversions``), reading a
 folder of links to the step dir's DeepSpeed files only (ds_to_universal walks its input recursively, so
 an existing conversion or a staging folder inside the step dir must not be seen), hashed into the
 output's own ``MANIFEST.json``, then renamed into place. A step dir's conversion lives in
@@ -36,6 +37,7 @@ from typing import Any
 
 from megatron_lite import checkpoint_dirs
 from megatron_lite.checkpoint_integrity import MANIFEST_FILE, is_staging_dir, record_tree, write_manifest
+from megatron_lite.console import notice
 from megatron_lite.files import file_sha256
 
 _DEEPSPEED_FILES = ("*_model_states.pt", "*_optim_states.pt")
@@ -58,11 +60,47 @@ def universal_dir(step_dir: Path) -> Path:
 @contextlib.contextmanager
 def conversion_lock(step_dir: Path) -> Iterator[None]:
     """An exclusive flock on the step dir itself (no file added to the checkpoint): two processes resuming
-    from the same step dir at once convert it one after the other, the second finding the first's result."""
+    from the same step dir at once convert it one after the other, the second finding the first's result.
+    Every conversion writing into the step dir holds it while its staging folder exists."""
     handle = os.open(step_dir, os.O_RDONLY)
     try:
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(handle)  # releases the lock
+
+
+def _tree_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file() and not path.is_symlink())
+
+
+def remove_interrupted_conversions(step_dir: Path) -> list[Path]:
+    """Delete the staging folders (``.<name>.partial-<pid>``) that conversions killed before their rename left
+    in ``step_dir`` (about the size of the step's DeepSpeed files each), with a notice naming each; the ones
+    removed. Nothing is touched while a conversion of the step dir runs: each holds ``conversion_lock`` as
+    long as its staging folder exists, so taking that lock without waiting proves every such folder dead (a pid
+    would not: it says nothing on another host sharing the file system, and pids are reused)."""
+    try:
+        staged = sorted(path for path in step_dir.iterdir() if is_staging_dir(path.name) and path.is_dir())
+    except OSError:  # no step dir (yet), or one this process may not list
+        return []
+    if not staged:
+        return []
+    handle = os.open(step_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a conversion runs now: its folder is live, and it removes its own
+            return []
+        removed = []
+        for path in staged:
+            size = _tree_bytes(path)
+            shutil.rmtree(path, ignore_errors=True)
+            if not path.exists():
+                removed.append(path)
+                notice(f"{path}: removed ({_mb(size)}), the staging folder of a universal conversion that did "
+                       "not finish")
+        return removed
     finally:
         os.close(handle)  # releases the lock
 
@@ -108,7 +146,8 @@ def _has_optimizer_partitions(step_dir: Path) -> bool:
 
 def convert_to_universal(step_dir: Path, output: Path) -> Path:
     """``output`` (absent or empty before) becomes the universal checkpoint of the verified ZeRO step dir
-    ``step_dir``, with its own manifest; ValueError (one line) when the conversion fails."""
+    ``step_dir``, with its own manifest; ValueError (one line) when the conversion fails. The caller holds
+    ``conversion_lock(step_dir)``."""
     from deepspeed.checkpoint import ds_to_universal
 
     if not _has_optimizer_partitions(step_dir):
@@ -209,6 +248,7 @@ def convert_step_to_universal(input_path: str | os.PathLike[str], output: Path, 
     if output != universal_dir(step_dir.resolve()) and step_dir.resolve().is_relative_to(output):
         raise ValueError(f"OUTPUT {output} contains INPUT {step_dir}; choose another OUTPUT")
     verify_or_raise(step_dir)  # ds_to_universal unpickles the step dir's files without an allow-list
+    remove_interrupted_conversions(step_dir)
     with conversion_lock(step_dir):
         if output.exists():
             shutil.rmtree(output)

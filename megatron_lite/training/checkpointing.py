@@ -293,6 +293,8 @@ def plan_resume(step_dir: Path, marker: dict[str, Any], config: Config, dist_inf
     the ZeRO stage are refused in one line, before DeepSpeed starts). Another one: ZeRO 0 loads as saved too (its
     optimizer state is whole on every rank); ZeRO 1-3 loads the step's universal conversion, made now by rank 0
     unless a current one is there, then verified by all ranks. One notice line says which."""
+    if dist_info.is_main:  # any resume, on any number of ranks, converting or not
+        universal.remove_interrupted_conversions(step_dir)
     saved_world = int(marker.get("world_size", dist_info.world_size))
     saved_zero, zero = int(marker.get("zero_stage", config.train.zero_stage)), config.train.zero_stage
     moved = f"resuming {step_dir} (saved by {saved_world} rank(s)) on {dist_info.world_size} rank(s)"
