@@ -1,0 +1,60 @@
+"""What a start says, once: a refused value under where it came from (``--set`` or the file that set it), a
+missing or mistyped ``--config`` with the nearest file, a user error under the deepspeed launcher as one
+``error:`` line, and DeepSpeed's one-time CPU op build announced (and its cached loads quiet)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_lite import config as config_lib
+from script_loading import load_script
+from training_helpers import REPO, train_command
+
+# ----------------------------------------------------------------------------------------------
+# Where a refused value came from
+
+
+def _refusal(path: Path, overrides: list[str] | None = None) -> str:
+    with pytest.raises(ValueError) as error:
+        config_lib.load(path, overrides)
+    return str(error.value)
+
+
+def test_a_refused_value_is_named_under_the_set_or_the_file_that_set_it(tmp_path: Path) -> None:
+    base = tmp_path / "shared" / "base.yml"
+    base.parent.mkdir()
+    base.write_text("train: {lr: 1.0e-3, min_lr: 1.0e-4, warmup: 0.01}\nmodel: {position: {scheme: rope}}\n")
+    child = tmp_path / "child.yml"
+    child.write_text("base: shared/base.yml\ntrain: {weight_decay: 0.1}\n")
+    assert _refusal(child, ["train.lr=nan"]) == "--set train.lr=nan: must be positive"
+    assert _refusal(child, ["train.lr=1e-6"]) == (  # names min_lr first; the --set made it wrong
+        "--set train.lr=1e-6: train.min_lr=0.0001: must be in [0, train.lr=1e-06]")
+    assert _refusal(child, ["train.lrr=1"]) == "--set train.lrr=1: unknown config key train.lrr; did you mean train.lr?"
+    assert _refusal(child, ["train={lr: 0}"]) == "--set train={lr: 0}: train.lr=0.0: must be positive"
+    child.write_text("base: shared/base.yml\ntrain: {weight_decay: -1}\n")
+    assert _refusal(child) == f"{child}: train.weight_decay=-1.0: must be >= 0"
+    assert _refusal(child, ["train.lr=1e-3"]) == f"{child}: train.weight_decay=-1.0: must be >= 0"
+    child.write_text("base: shared/base.yml\n")
+    base.write_text("train: {warmup: 3}\n")
+    assert _refusal(child) == f"{base} (a base of {child}): train.warmup=3.0: must be a fraction in [0, 1)"
+
+
+def test_a_missing_config_offers_the_nearest_file_and_a_directory_is_called_one(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(REPO)
+    train = load_script("train.py")
+    cases = {"configs/tiny/coca_slak.yml": "error: config file configs/tiny/coca_slak.yml does not exist; did you "
+                                           "mean configs/tiny/coca_slack.yml?",
+             "configs/tiny": "error: config file configs/tiny is a directory, not a YAML file (it holds alibi.yml, "
+                             "coca_slack.yml, coca_strict.yml, ...)",
+             "configs/tiny/nothing_like_it.yml": "error: config file configs/tiny/nothing_like_it.yml does not exist"}
+    for given, said in cases.items():
+        assert train.main(["--config", given]) == 2
+        assert capsys.readouterr().err.splitlines() == [said]
+    assert train.main(["--config", "configs/tiny/rope.yml", "--set", "train.lr=nan"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["error: --set train.lr=nan: must be positive"]
