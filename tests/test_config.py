@@ -275,6 +275,23 @@ def test_every_key_is_documented_and_docs_are_current() -> None:
         "run: python -m megatron_lite.config --doc > docs/config.md"
 
 
+def test_the_reference_lists_experimental_keys_and_test_hooks_apart_in_short_cells() -> None:
+    """A user's keys first; the experimental keys (and values) and the test hooks each in a section of their own,
+    every key once; no table cell over 400 characters (measured figures belong on the performance page)."""
+    page = config_lib.documentation_page()
+    run_config = page[page.index("## Run config"):page.index("## Mix files")]
+    users, rest = run_config.split("### Experimental keys")
+    experimental, hooks = rest.split("### Test hooks")
+    assert "| `train.loss_gemm` |" in users and "| `train.cuda_graphs` |" in users
+    for key in ("train.compile_blocks_per_region", "train.compile_options", "train.compile_cpp_wrapper",
+                "train.loss_gemm: input_dtype", "train.loss_gemm: fp32"):
+        assert f"| `{key}` |" in experimental and f"| `{key}` |" not in users + hooks, key
+    assert "| `train.fault_injection.kill_after_step` |" in hooks and "fault_injection" not in users + experimental
+    cells = [(row.split(" | ")[0], cell) for row in page.splitlines() if row.startswith("| `")
+             for cell in re.split(r"(?<!\\)\|", row)[1:-1]]
+    assert not [(key, len(cell)) for key, cell in cells if len(cell.strip()) > 400]
+
+
 def test_docs_name_the_current_hugging_face_cli() -> None:
     """huggingface_hub >= 1.0 ships `hf` (`hf download`, `hf auth login`); `huggingface-cli` is gone."""
     texts = {path: path.read_text() for path in [REPO / "README.md", *(REPO / "docs").glob("*.md"),

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
-from megatron_lite.config.schema import Config, MixConfig, ModelConfig
+from megatron_lite.config.schema import EXPERIMENTAL, TEST_HOOKS, USER_KEYS, Config, MixConfig, ModelConfig
 from megatron_lite.config.scaling_spec import parse_scaling
 from megatron_lite.console import notice
 
@@ -648,24 +648,28 @@ def save(config: Config, path: str | Path) -> None:
         yaml.safe_dump(to_dict(config), handle, sort_keys=False)
 
 
-def documentation(root: type | None = None) -> str:
-    """Markdown table of every key of ``root`` (default Config): type, default, help text."""
-    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+def _reference_rows(root: type) -> list[tuple[str, str]]:
+    """(section, markdown table row) of every key of ``root`` in schema order: a key is in its field's section
+    (``schema._doc``) or, below a section's own field (``train.fault_injection``), in that field's; an
+    experimental value of a key (``experimental_values``) gets a row of its own among the experimental keys."""
+    rows: list[tuple[str, str]] = []
 
-    def walk(cls: type, prefix: str) -> None:
+    def walk(cls: type, prefix: str, inherited: str) -> None:
         annotations = _field_types(cls)
         for item in dataclasses.fields(cls):
             annotation = annotations[item.name]
+            section = item.metadata.get("section", USER_KEYS) if inherited == USER_KEYS else inherited
+            key, help_text = f"{prefix}{item.name}", _cell(item.metadata["help"])
             if dataclasses.is_dataclass(annotation):
-                walk(annotation, f"{prefix}{item.name}.")
+                walk(annotation, f"{key}.", section)
                 continue
             if typing.get_origin(annotation) is dict and dataclasses.is_dataclass(typing.get_args(annotation)[1]):
-                lines.append(f"| `{prefix}{item.name}` | mapping | – | {item.metadata['help']} |")
-                walk(typing.get_args(annotation)[1], f"{prefix}{item.name}.NAME.")
+                rows.append((section, f"| `{key}` | mapping | – | {help_text} |"))
+                walk(typing.get_args(annotation)[1], f"{key}.NAME.", section)
                 continue
             if typing.get_origin(annotation) is list and dataclasses.is_dataclass(typing.get_args(annotation)[0]):
-                lines.append(f"| `{prefix}{item.name}` | list | `[]` | {_cell(item.metadata['help'])} |")
-                walk(typing.get_args(annotation)[0], f"{prefix}{item.name}[].")
+                rows.append((section, f"| `{key}` | list | `[]` | {help_text} |"))
+                walk(typing.get_args(annotation)[0], f"{key}[].", section)
                 continue
             if item.default is not dataclasses.MISSING:
                 default = item.default
@@ -677,9 +681,19 @@ def documentation(root: type | None = None) -> str:
                 else str(annotation).replace("typing.", "").replace("|", "\\|")
             if isinstance(annotation, type):
                 type_name = annotation.__name__
-            lines.append(f"| `{prefix}{item.name}` | {type_name} | `{default}` | {_cell(item.metadata['help'])} |")
+            rows.append((section, f"| `{key}` | {type_name} | `{default}` | {help_text} |"))
+            for value, why in item.metadata.get("experimental_values", {}).items():
+                rows.append((EXPERIMENTAL, f"| `{key}: {value}` | value | `{default}` | {_cell(why)} |"))
 
-    walk(root or Config, "")
+    walk(root, "", USER_KEYS)
+    return rows
+
+
+def documentation(root: type | None = None, section: str = USER_KEYS) -> str:
+    """Markdown table of the keys of ``root`` (default Config) in ``section`` (schema.USER_KEYS, EXPERIMENTAL or
+    TEST_HOOKS): type, default, help text."""
+    lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
+    lines += [row for row_section, row in _reference_rows(root or Config) if row_section == section]
     return "\n".join(lines) + "\n"
 
 
@@ -708,6 +722,14 @@ they differ from it.
 """
 
 
+RUN_CONFIG_DOC = ("The keys a run sets. [Experimental keys](#experimental-keys) and [test hooks](#test-hooks) are "
+                  "listed apart, after them.\n\n")
+EXPERIMENTAL_DOC = ("Measured not to help on the GPUs tried, or not measured on one: leave them at their defaults. "
+                    "They stay so that configs naming them still load; each names its figures.\n\n")
+TEST_HOOKS_DOC = ("Failures made on purpose, for the tests of the run's robustness (checkpoint safety, stops, "
+                  "non-finite losses); a run never sets them.\n\n")
+
+
 def _cell(text: str) -> str:
     """Help text as one markdown table cell: a literal '|' would end the cell."""
     return text.replace("|", "\\|")
@@ -717,6 +739,8 @@ def documentation_page() -> str:
     """docs/config.md: inheritance, the run config and the mix-file format."""
     return (
         "# Configuration reference\n\nGenerated by `python -m megatron_lite.config --doc`.\n\n" + INHERITANCE_DOC
-        + "## Run config (`configs/*.yml`)\n\n" + documentation(Config)
+        + "## Run config (`configs/*.yml`)\n\n" + RUN_CONFIG_DOC + documentation(Config)
+        + "\n### Experimental keys\n\n" + EXPERIMENTAL_DOC + documentation(Config, EXPERIMENTAL)
+        + "\n### Test hooks\n\n" + TEST_HOOKS_DOC + documentation(Config, TEST_HOOKS)
         + "\n## Mix files (`configs/data/*.yml`, named by `data.mix`)\n\n" + documentation(MixConfig)
     )

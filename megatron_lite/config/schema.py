@@ -33,9 +33,21 @@ ARCHITECTURES: tuple[str, ...] = typing.get_args(Architecture)
 SCHEME_DISPLAY_NAMES = {"alibi": "ALiBi", "rope": "RoPE", "coca": "CoCA"}  # the rest as written
 
 
-def _doc(help_text: str, **kwargs: Any) -> Any:
-    """A dataclass field with its documentation attached."""
-    return field(metadata={"help": help_text}, **kwargs)
+# Where docs/config.md lists a key (``_doc(section=...)``; a section's keys inherit it): the keys a user sets, the
+# experimental ones (measured not to help, or not measured; kept so that configs naming them still load) and the
+# hooks the tests use to make failures happen.
+USER_KEYS, EXPERIMENTAL, TEST_HOOKS = "user", "experimental", "test hooks"
+# where help links to measured figures (relative to docs/config.md)
+PERFORMANCE = "performance.md"
+INPUT_DTYPE_FIGURES = "../benchmarks/runs/2026-11-26_quick-check_h200/gpu_check.md"
+
+
+def _doc(help_text: str, section: str = USER_KEYS, experimental_values: dict[str, str] | None = None,
+         **kwargs: Any) -> Any:
+    """A dataclass field with its documentation attached, the part of docs/config.md it is listed in, and the
+    values of it that docs/config.md lists as experimental (value -> why, one line)."""
+    metadata = {"help": help_text, "section": section, "experimental_values": experimental_values or {}}
+    return field(metadata=metadata, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,11 +251,10 @@ class TokenizerConfig:
     """The tokenizer: an existing one (SentencePiece or Hugging Face), or a SentencePiece BPE trained from the mix."""
 
     model: str | None = _doc(
-        "Existing tokenizer: a SentencePiece .model file, a Hugging Face tokenizer.json, or a directory holding "
-        "tokenizer.json (an HF tokenizer or model dir; its tokenizer_config.json names the EOS). HF: EOD = its "
-        "EOS, each document gets the specials its post-processor adds (e.g. Llama's BOS); its vocabulary "
-        "(added tokens included) must be <= model.vocab_size. null trains a SentencePiece model from the mix "
-        "into data.cache_dir with model.vocab_size pieces.", default=None)
+        "Existing tokenizer: a SentencePiece .model, a Hugging Face tokenizer.json, or a directory holding one "
+        "(its tokenizer_config.json names the EOS, which ends documents; each document gets the specials its "
+        "post-processor adds, e.g. Llama's BOS; its vocabulary must be <= model.vocab_size). null trains a "
+        "SentencePiece model from the mix into data.cache_dir.", default=None)
     bos_token_id: int | None = _doc(
         "BOS id of a model that has no tokenizer file (read from an imported HF config.json / "
         "generation_config.json, written back on export); a tokenizer's own ids win. All three null: "
@@ -387,12 +398,10 @@ class StageConfig:
 
     steps: int = _doc("Optimizer steps of this stage (must be positive).", default=0)
     trainable: list[str] = _doc(
-        "Parameters that train in this stage; all others are frozen (no update, no weight decay, no optimizer "
-        "state). Each entry is an fnmatch glob over parameter names (`*` also crosses dots), e.g. "
-        "`layers.*.attention.query_key_value.weight`, `*.k_proj.*`, `*`; or a fused-QKV slot "
-        "`<module glob>.query_key_value[k]`, k = 0 (q), 1 (k, CoCA's t), 2 (v): for every head h the rows "
-        "[h*3D + k*D, h*3D + (k+1)*D) of `query_key_value.weight` and the same entries of its `.bias` "
-        "(D = head_dim). A pattern matching no parameter is an error.", default_factory=list)
+        "Parameters that train in this stage (the others are frozen: no update, weight decay or optimizer state): "
+        "fnmatch globs over parameter names (`*` also crosses dots), e.g. `layers.*.mlp.*`, `*.k_proj.*`, `*`; or "
+        "a fused-QKV slot `<module glob>.query_key_value[k]`, k = 0 (q), 1 (k, CoCA's t), 2 (v): those rows of "
+        "every head (docs/finetuning.md). A pattern matching no parameter is an error.", default_factory=list)
     lr: float | None = _doc("Peak learning rate of this stage; null means train.lr.", default=None)
 
 
@@ -429,14 +438,10 @@ class TrainConfig:
     )
     zero_stage: int = _doc("DeepSpeed ZeRO stage 0-3.", default=0)
     grad_accum_dtype: GradAccumDtype = _doc(
-        "bf16 runs: the dtype the micro batches' gradients are summed in, and all-reduced in across ranks. fp32 "
-        "(as Megatron-LM does for bf16): DeepSpeed's data_types.grad_accum_dtype and communication_data_type "
-        "float32 (ZeRO 1: its BF16_Optimizer, a float32 gradient buffer that each micro batch's gradients are added "
-        "into after backward, one add_ per parameter group, megatron_lite/training/fp32_grad_sums.py; ZeRO 2-3: "
-        "float32 gradient partitions); at ZeRO 0 DeepSpeed has no float32 accumulator, so "
-        "only the all-reduce is float32 there | "
-        "model: DeepSpeed's default, bf16 sums (measured: 0.4% L2 error in 16 micro batches' sum, "
-        "docs/training.md). fp32 and fp16 runs: unused.", default="fp32")
+        "bf16 runs: the dtype micro batches' gradients are summed and all-reduced in. fp32 (as Megatron-LM): "
+        "DeepSpeed's grad_accum_dtype and communication_data_type float32 (ZeRO 1: one add_ per parameter group "
+        "into a float32 buffer; ZeRO 2-3: float32 partitions; ZeRO 0: only the all-reduce) | model: DeepSpeed's "
+        "default, bf16 sums, less exact (docs/training.md). Unused by fp32 and fp16 runs.", default="fp32")
     sequence_parallel_size: int = _doc(
         "DeepSpeed-Ulysses sequence parallelism: P ranks share each sample, each holding seq_length / P "
         "consecutive tokens, with an all-to-all around attention (docs/sequence_parallel.md). The launched ranks "
@@ -447,43 +452,34 @@ class TrainConfig:
         default=None,
     )
     compile_mode: CompileMode = _doc(
-        "What train.compile compiles: regional (every transformer block in place, and the LM head with its fused "
-        "loss; the blocks share one code object, so the repeated block compiles once and the first step's compile "
-        "time does not grow with the depth) | whole (embedding, blocks and head as one graph, the rotary tables "
-        "built outside it: fuses across blocks, at a compile time that grows with the number of layers).",
+        "What train.compile compiles: regional (each transformer block in place, and the LM head with its fused "
+        "loss; the blocks share one code object, so the first step's compile time does not grow with the depth) | "
+        "whole (embedding, blocks and head as one graph: fuses across blocks, at a compile time that grows with "
+        "the number of layers).",
         default="regional")
     compile_blocks_per_region: int = _doc(
-        "Regional compile: this many consecutive transformer blocks compiled as one region (one graph, compiled "
-        "once, for every group): fewer region calls per step, each of which costs the host its guards and "
-        "wrappers, and fusion across the blocks of a group, for a first-step compile that grows with the group "
-        "(on a CPU at the host's floor, 24 blocks in groups of 4: forward and backward 1.26x faster, first step "
-        "1.26x longer; docs/benchmarks.md). Must divide model.num_layers; 1: each block its own region. Needs "
-        "train.compile_mode=regional. 1: groups of 4 helped an H200 only without CUDA graphs (the users' command "
-        "30.8% -> 39.6% MFU, with the default graphs 43.5%; docs/gpu.md Run 4).", default=1)
+        "Regional compile: this many consecutive blocks as one compiled region (must divide model.num_layers): "
+        "fewer region calls for the host, a longer first compile. Experimental: groups of 4 helped an H200 only "
+        f"without CUDA graphs, and stayed below the default graphs ([figures]({PERFORMANCE})).",
+        section=EXPERIMENTAL, default=1)
     cuda_graphs: bool | None = _doc(
-        "CUDA graphs for the compiled graphs (torch.compile's mode=\"reduce-overhead\", inductor's CUDA graph "
-        "trees): each compiled region's kernels replay from one launch, for steps whose GPU waits on the host "
-        "(small micro batches, small models; the paper config on an H200: 30.8% -> 43.5% MFU, docs/gpu.md). "
-        "Needs train.compile on a CUDA device (otherwise a true says so in one line and trains without them); "
-        "evaluations then run eagerly (torch.compiler.set_stance force_eager), so their other lengths record no "
-        "graphs. With more than one micro batch per step it needs each micro batch's gradients summed out of the "
-        "graphs' memory: precision bf16, zero_stage 1, grad_accum_dtype fp32 (the paper config). Not with "
-        "sequence_parallel_size > 1. null: on for a regional compile on CUDA in bf16 at zero_stage 1 with "
-        "grad_accum_dtype fp32 (the setup measured), without sequence parallelism, model.checkpoint_activations or "
-        "train.compile_cpp_wrapper; off elsewhere.", default=None)
+        "CUDA graphs (torch.compile's reduce-overhead mode): compiled kernels replay from one launch, for a GPU "
+        f"that waits on the host ([figures]({PERFORMANCE})). Needs train.compile on CUDA; several micro "
+        "batches per step need bf16, zero_stage 1, grad_accum_dtype fp32. null: on in that setup at a regional "
+        "compile, without sequence parallelism or activation checkpointing.",
+        default=None)
     compile_cpp_wrapper: bool = _doc(
-        "inductor's C++ wrapper (torch._inductor.config.cpp_wrapper) for the compiled graphs: each graph's kernels "
-        "and library calls launched from generated C++ instead of generated Python, for steps whose GPU waits on "
-        "the host (small micro batches, small models); works with or without train.cuda_graphs (whose null "
-        "default then stays off: with graphs the wrapper runs only while a graph records). The first step "
-        "also builds each graph's wrapper with the C++ compiler. Needs train.compile (otherwise the run says so "
-        "in one line). Off: unmeasured on a GPU (docs/gpu.md).", default=False)
+        "inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): the compiled graphs' kernels launched from "
+        "generated C++ instead of Python, at a longer first step. Needs train.compile; keeps train.cuda_graphs' "
+        "null default off. Experimental: not measured on a GPU, no faster on a CPU "
+        "([figures](benchmarks.md#what-the-cpu-figures-predict-on-a-gpu)).",
+        section=EXPERIMENTAL, default=False)
     compile_options: dict[str, Any] = _doc(
-        "Passthrough: inductor settings for the compiled graphs, given to torch.compile as its options: "
-        "torch._inductor.config names, nested or dotted (e.g. {triton: {mix_order_reduction: false}}, or --set "
-        "train.compile_options.triton.mix_order_reduction=false); each name and boolean is checked against the "
-        "installed torch when the model compiles. Not triton.cudagraphs or cpp_wrapper (train.cuda_graphs, "
-        "train.compile_cpp_wrapper). Needs train.compile.", default_factory=dict)
+        "Passthrough: inductor settings for the compiled graphs (torch.compile's options), torch._inductor.config "
+        "names nested or dotted (e.g. {triton: {mix_order_reduction: false}}); not triton.cudagraphs or "
+        "cpp_wrapper. Needs train.compile. Experimental: the settings tried stayed below the default CUDA graphs "
+        f"([figures]({PERFORMANCE})).",
+        section=EXPERIMENTAL, default_factory=dict)
     tf32: bool | None = _doc(
         "TensorFloat-32 tensor cores for float32 matmuls and cuDNN convolutions "
         "(torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32), set before the model is "
@@ -501,9 +497,12 @@ class TrainConfig:
     )
     loss_gemm: LossGemm = _doc(
         "The fused loss head's GEMMs (logits, grad_hidden, grad_weight): mixed (operands in the model's dtype, "
-        "bf16 tensor cores, float32 accumulation and float32 logits) | input_dtype (bf16 logits upcast per "
-        "chunk, as Hugging Face, Liger and torchtune) | fp32 (float32 operands: the slower, exact-operand path). "
-        "A float32 model runs float32 GEMMs in every mode.", default="mixed")
+        "float32 accumulation and float32 logits) | input_dtype (bf16 logits upcast per chunk, as Hugging Face) "
+        "| fp32 (float32 operands). A float32 model runs float32 GEMMs in every mode. input_dtype and fp32 are "
+        "experimental (below).", default="mixed", experimental_values={
+            "input_dtype": f"bf16 logits: a slower step than mixed on an H200 ([figures]({INPUT_DTYPE_FIGURES})).",
+            "fp32": f"float32 operands, off the bf16 tensor cores: a 5x slower head ([figures]({PERFORMANCE})).",
+        })
     lr: float = _doc("Peak learning rate, reached at the end of warm-up (paper: 1e-4).", default=1.0e-4)
     min_lr: float = _doc("Learning rate at the last step (paper: 1e-5).", default=1.0e-5)
     warmup: float = _doc("Warm-up length as a fraction of train_iters (paper: 0.01).", default=0.01)
@@ -569,7 +568,8 @@ class TrainConfig:
         "torch.profiler over a few steps into <run dir>/profile/; see train.profile.* (off by default).",
         default_factory=ProfileConfig)
     fault_injection: FaultInjectionConfig = _doc(
-        "Deliberate failures for tests; see train.fault_injection.*.", default_factory=FaultInjectionConfig
+        "Deliberate failures for tests; see train.fault_injection.*.", section=TEST_HOOKS,
+        default_factory=FaultInjectionConfig
     )
     stages: list[StageConfig] = _doc(
         "Staged fine-tuning: a list of {steps, trainable, lr} run in order (see train.stages[].*); the run's "
@@ -608,11 +608,10 @@ class SourceConfig:
     """One source of documents in a mix file."""
 
     type: SourceType = _doc(
-        "hf: a datasets hub id or local dataset dir (load_dataset); jsonl: JSON-lines files; text: .txt "
-        "files or directories (one document per file); parquet: parquet files; python_docs / python_code: "
-        "the built-in offline sample (English prose / stdlib sources shipped with Python); megatron: existing "
-        "Megatron-LM/GPT-NeoX MMIDIDX shards (.bin/.idx), read in place without re-tokenising (the text "
-        "settings below do not apply to it; max_documents is refused)."
+        "hf: a datasets hub id or local dataset dir; jsonl: JSON-lines files; text: .txt files or directories "
+        "(one document per file); parquet: parquet files; python_docs / python_code: the built-in offline sample "
+        "(English prose / Python's stdlib sources); megatron: existing MMIDIDX shards (.bin/.idx), read in place "
+        "without re-tokenising (the text settings below do not apply; max_documents is refused)."
     )
     path: str | None = _doc(
         "Hub id, or a local file, directory or glob. megatron: a shard prefix (without .bin/.idx), a directory "
