@@ -1,7 +1,8 @@
-"""megatron_lite.repro.run_length: one source for the paper run's length and speed (issue 37, item 2).
+"""megatron_lite.repro.run_length: one source for the paper run's length and speed.
 
-The docs' marked figures equal what the module computes; the module's measurement is the one its GPU run
-recorded; "350M" is the model's counted size; the paper_mix.yml estimate follows the mix file.
+The docs' marked figures equal what the module computes; the module's measurement is the newest run record of the
+users' command (tests/test_run_records.py checks the record against its raw files); "350M" is the model's counted
+size; the paper_mix.yml estimate follows the mix file.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from megatron_lite.repro import run_length
 from megatron_lite.repro.run_length import MARKED, MEASURED, RunLength, doc_figures, render
 
 REPO = Path(__file__).resolve().parents[1]
-GPU_RUN = REPO / "benchmarks" / "runs" / "2026-11-26_quick-check_h200" / "gpu_check.json"
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +64,32 @@ def test_350m_is_the_counted_model() -> None:
 
 
 def test_the_measurement_is_the_recorded_gpu_run() -> None:
-    results = json.loads(GPU_RUN.read_text())
-    (row,) = results["users_command"]["rows"]
-    assert row["command"] == "deepspeed --num_gpus 1 train.py --config configs/coca_350m.yml"
+    """MEASURED is read from its record, whose raw gpu_check.json holds the users' command's row."""
+    record = run_length.RUNS / MEASURED.record
+    results = json.loads((record / "gpu_check.json").read_text())
+    (row,) = [row for row in results["users_command"]["rows"] if row["command"] == MEASURED.command]
+    assert row["command"].startswith("deepspeed --num_gpus 1 train.py --config configs/coca_350m.yml")
     assert MEASURED.mfu == pytest.approx(row["mfu"], abs=5e-5)
     assert MEASURED.tokens_per_sec == pytest.approx(row["tokens_per_sec"], abs=1)
+    assert MEASURED.first_step_s == pytest.approx(row["first_step_s"], abs=0.05)
     device = next(r["value"] for r in results["env"]["rows"] if r["item"] == "device")
     assert device == MEASURED.device
-    assert f"{MEASURED.mfu:.1%}" in (REPO / "docs" / "gpu.md").read_text()
+    assert f"{MEASURED.mfu:.1%}" in (REPO / "docs" / "performance.md").read_text()
+
+
+def test_the_printed_measurement_states_its_vocabulary_and_the_scaling_assumed() -> None:
+    text = MEASURED.describe()
+    for said in (f"vocabulary {MEASURED.vocab_size:,}", f"{MEASURED.parameters:,} parameters", "the data bundle's",
+                 "8 GPUs assumed to scale linearly", f"benchmarks/runs/{MEASURED.record}", MEASURED.commit):
+        assert said in text, said
+    table = doc_figures()["speed_table"]
+    assert f"vocabulary {MEASURED.vocab_size:,}: {MEASURED.parameters:,} parameters" in table
+    assert f"../benchmarks/runs/{MEASURED.record}/" in table and f"../benchmarks/runs/{run_length.BASELINE.record}/" in table
+
+
+def test_a_missing_record_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no such run record"):
+        run_length.load_measurement(tmp_path / "2026-01-01_nothing_h200")
 
 
 def test_run_length_and_hours_arithmetic() -> None:

@@ -3,8 +3,13 @@
 docs/run_at_scale.md, docs/reproduction.md (profile paper-350m) and the budget that ``tools/reproduce.py
 --profile paper-350m`` prints all use this module. The docs carry its figures between
 ``<!-- run_length:NAME -->`` and ``<!-- /run_length -->`` markers: ``python -m megatron_lite.repro.run_length
---write`` regenerates them and tests/test_run_length.py fails while they differ. When a faster GPU run lands,
-change ``MEASURED`` and regenerate.
+--write`` regenerates them and tests/test_run_length.py fails while they differ. The speed they assume is read
+from the run records (benchmarks/runs/<record>/record.json): ``MEASURED`` is the newest record of the users'
+command, ``BASELINE`` the first one; a new record is picked up by regenerating.
+
+The measured runs trained on a data bundle whose tokenizer has 16,000 pieces: 335,079,424 parameters, not the
+404.8M of the paper's vocabulary. MFU carries over between the two (the FLOPs are counted for the model that
+ran); tokens/s does not, so the hours are computed from the MFU and the paper model's FLOPs per token.
 
 "350M" is the paper's name for the model of configs/coca_350m.yml: 404,809,728 parameters counted with the
 embeddings, 353,560,576 without the input embedding (the count ``model_flops_per_token`` multiplies by 6; the
@@ -17,10 +22,12 @@ the Hugging Face hub was out of reach of every machine this project ran on, so t
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_lite.config import ModelConfig
 from megatron_lite.repro.settings import REPO_ROOT
@@ -34,29 +41,60 @@ PLAN_GPUS = (1, 8)
 PLAN_DEVICES = {"H100/H200": "H200", "A100": "A100"}
 
 
+RUNS = REPO_ROOT / "benchmarks" / "runs"
+BASELINE_RECORD = "2026-11-26_baseline_h200"  # the users' command before the speed work
+
+
 @dataclass(frozen=True)
 class Measurement:
-    """The users' command (``deepspeed --num_gpus 1 train.py --config configs/coca_350m.yml``) timed on a GPU."""
+    """The users' command (``deepspeed --num_gpus 1 train.py --config configs/coca_350m.yml``) timed on a GPU, as
+    its run record holds it."""
 
     mfu: float
     tokens_per_sec: float
-    vocab_size: int  # of the measured run: its data bundle's tokenizer, not the paper's 50,000
+    first_step_s: float
+    vocab_size: int  # of the measured run: its data bundle's tokenizer, not the paper's 50,048
+    parameters: int  # of the measured run, at that vocabulary
     device: str
     date: str
     commit: str
-    where: str
+    record: str  # the folder under benchmarks/runs/
+    command: str
+    setup: str  # how the loop ran: micro batch, compile, CUDA graphs
 
     def describe(self) -> str:
-        return (f"the users' command on one {self.device}, {self.date}, commit {self.commit}: {self.where}; "
-                "8 GPUs assumed to scale linearly")
+        return (f"the users' command on one {self.device}, {self.date}, commit {self.commit}, at vocabulary "
+                f"{self.vocab_size:,} (the data bundle's tokenizer: {self.parameters:,} parameters; "
+                f"benchmarks/runs/{self.record}); 8 GPUs assumed to scale linearly")
 
 
-# docs/gpu.md "Run 2"; its gpu_check.json (users_command section) holds the unrounded figures
-MEASURED = Measurement(mfu=0.2704, tokens_per_sec=129_619, vocab_size=16_000, device="NVIDIA H200",
-                       date="2026-11-26", commit="d56f618", where="docs/gpu.md, run 2")
-# docs/gpu.md "Baseline": the same command before the speed work (steps 8-24: 24.3-25.3%, 117-121K tokens/s)
-BASELINE = Measurement(mfu=0.245, tokens_per_sec=117_325, vocab_size=16_000, device="NVIDIA H200",
-                       date="2026-11-26", commit="f895ab5", where="docs/gpu.md, baseline")
+def users_command_records() -> list[Path]:
+    """The run records holding a users' command measurement, oldest first (records are named by date)."""
+    return sorted(path.parent for path in RUNS.glob("*/record.json")
+                  if "users_command_mfu" in json.loads(path.read_text())["figures"])
+
+
+def load_measurement(record: Path) -> Measurement:
+    """The users' command figures of one run record (benchmarks/runs/<record>/record.json)."""
+    path = record / "record.json"
+    if not path.is_file():
+        raise ValueError(f"{path}: no such run record")
+    data = json.loads(path.read_text())
+    figures = data["figures"]
+    conditions = figures["users_command_mfu"]["conditions"]
+    setup = (f"micro batch {conditions['micro_batch']} x {conditions['accumulation']} accumulation, "
+             f"ZeRO 1, {conditions['compile']}")
+    return Measurement(mfu=figures["users_command_mfu"]["value"],
+                       tokens_per_sec=figures["users_command_tokens_per_sec"]["value"],
+                       first_step_s=figures["users_command_first_step_s"]["value"],
+                       vocab_size=figures["users_command_vocab_size"]["value"],
+                       parameters=figures["users_command_parameters"]["value"], device=data["device"],
+                       date=data["date"], commit=data["commit"], record=data["record"],
+                       command=data["conditions"]["users_command"], setup=setup)
+
+
+MEASURED = load_measurement(users_command_records()[-1])
+BASELINE = load_measurement(RUNS / BASELINE_RECORD)
 
 
 @dataclass(frozen=True)
@@ -252,13 +290,14 @@ def _speed_table(runs: PaperRuns) -> str:
     from megatron_lite.training.metrics import KNOWN_PEAK_TFLOPS
 
     peak = KNOWN_PEAK_TFLOPS["H200"]
-    lines = ["| measured: the users' command, one GPU | MFU | tokens/s (vocabulary) | tokens/s of the paper's model "
-             "at that MFU |", "|---|---:|---:|---:|"]
+    lines = ["| measured: the users' command, one GPU | MFU | tokens/s at the measured vocabulary | tokens/s of the "
+             "paper's model (vocabulary 50,048) at that MFU |", "|---|---:|---:|---:|"]
     for measurement in (MEASURED, BASELINE):
         paper_speed = measurement.mfu * peak * 1e12 / runs.size.flops_per_token
-        lines.append(f"| {measurement.device}, {measurement.date}, commit {measurement.commit} ({measurement.where}) "
-                     f"| {measurement.mfu:.1%} | {measurement.tokens_per_sec:,.0f} ({measurement.vocab_size:,}) | "
-                     f"{paper_speed:,.0f} |")
+        lines.append(f"| {measurement.device}, {measurement.date}, commit {measurement.commit}: {measurement.setup} "
+                     f"([record](../benchmarks/runs/{measurement.record}/)) | {measurement.mfu:.1%} | "
+                     f"{measurement.tokens_per_sec:,.0f} (vocabulary {measurement.vocab_size:,}: "
+                     f"{measurement.parameters:,} parameters) | {paper_speed:,.0f} |")
     return "\n".join(lines)
 
 
