@@ -1,5 +1,5 @@
-"""Reproduction of the CoCA paper's from-scratch comparison (docs/reproduction.md): profile cpu-tiny
-(issue 8), the one-GPU speedrun gpu-speedrun (issue 19) and the paper's own 350M run paper-350m (issue 31).
+"""Reproduction of the CoCA paper's from-scratch comparison (docs/reproduction.md): profile cpu-tiny (2.9M
+models on CPU), the one-GPU speedrun gpu-speedrun and the paper's own 350M run paper-350m.
 
 ``pipeline.run_reproduction`` trains the four models of configs/repro/{tiny,speedrun,paper350m}/*.yml
 (``training``) and evaluates them; ``settings`` holds the settings, configs and mix file; ``speedrun``

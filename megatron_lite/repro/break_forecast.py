@@ -2,11 +2,12 @@
 
 The in-training curve (``train.extrapolation_eval``) gives, at each evaluation, ppl(kx) / ppl(1x) against tokens
 seen. Where that ratio climbs as the model trains, its excess ``ratio - 1`` has so far grown roughly as a power of
-the tokens (the CPU pairs in docs/reproduction.md: R^2 0.6-0.94 in log-log space). Fitted per window by least squares
-on (log tokens, log excess), the law says how fast the climb is (the exponent) and, continued, after how many tokens
-the ratio would reach a threshold (2 by default: perplexity doubling past the training length), which sizes the
-next run. It is an extrapolation of a noisy curve, not a result: the report prints the points, R^2 and how far past
-the last evaluation the projection reaches, and an observed crossing wins over any projection.
+the tokens (the runs in docs/reproduction.md: R^2 0.6-0.98 in log-log space where the ratio climbs). Fitted per
+window by least squares on (log tokens, log excess), the law says how fast the climb is (the exponent) and,
+continued, after how many tokens the ratio would reach a threshold (2 by default: perplexity doubling past the
+training length), which helps size a longer run. It is an extrapolation of a noisy curve, not a result: the
+report prints the points, R^2 and how far past the last evaluation the projection reaches, and an observed
+crossing wins over any projection.
 
 Evaluations in the first ``fit_from_fraction`` of the run's tokens (warm-up, where the ratio is flat or swings)
 and any with a ratio <= 1 (no excess to take the log of) are left out of the fit; a fit with R^2 below

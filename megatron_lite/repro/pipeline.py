@@ -214,7 +214,7 @@ def run_reproduction(settings: ReproSettings) -> dict[str, Any]:
 
     evaluations: dict[str, dict[str, Any]] = {}
     for scheme in settings.schemes:
-        # the evaluation caches every cell, so a report-only call re-reads results without recomputing
+        # the evaluation caches every cell, so a report-only invocation re-reads results without recomputing
         with clock.phase(f"perplexity {scheme}", timed="eval" in settings.phases):
             evaluations[f"{scheme} perplexity"] = _evaluate(settings, scheme, "perplexity", stride)
         if settings.passkey_lengths:

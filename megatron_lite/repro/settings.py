@@ -1,4 +1,4 @@
-"""Settings of the reproduction (both profiles), their validation, the four configs and the data mix file.
+"""Settings of the reproduction (all three profiles), their validation, the four configs and the data mix file.
 
 Profiles: ``cpu-tiny`` (configs/repro/tiny/*.yml, books read and tokenised here), ``gpu-speedrun``
 (configs/repro/speedrun/*.yml, a pre-tokenised data bundle, the step count from a throughput probe;
@@ -29,7 +29,7 @@ from megatron_lite.model.variants import PAPER_LABELS
 from megatron_lite.repro.bundle import parse_sha256
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-SCHEMES = PAPER_LABELS  # the four models, by label (configs repro_<label>.yml)
+SCHEMES = PAPER_LABELS  # the four models, by label (configs/repro/<profile>/<label>.yml)
 SPEEDRUN_PAIR = ("rope", "coca_slack")  # the speedrun's default: the paper's question, twice the tokens per model
 PROFILES = ("cpu-tiny", "gpu-speedrun", "paper-350m")
 PHASES = ("data", "probe", "train", "eval", "report")  # the speedrun's; the other profiles have no probe
@@ -300,7 +300,7 @@ def curve_interval(train_iters: int, budget: SpeedrunBudget) -> int:
 
 
 def speedrun_save_interval(train_iters: int) -> int:
-    """About four checkpoints per speedrun model: a call cut off at its time limit loses at most a quarter."""
+    """About four checkpoints per speedrun model: a job cut off at its time limit loses at most a quarter."""
     return max(1, train_iters // 4)
 
 

@@ -30,15 +30,16 @@ DRY_RUN_MODEL = ["model.num_layers=2", "model.hidden_size=32", "model.num_attent
                  "train.log_interval=1", "train.eval_interval=0", "train.num_workers=0", "data.num_workers=1"]
 DRY_RUN_CURVE = ["train.extrapolation_eval.windows=[1, 2, 4]", "train.extrapolation_eval.scored_tokens_per_book=32"]
 DRY_RUN_MAX_ITERS = 3  # the dry run proves the phases, not the numbers
-# The speedrun model's last measured throughput, the plan printed before the probe measures this device: one H200,
-# 2026-11-27, commit b6274a8 (after the GPU-speed work, at ZeRO 0), the probe's figures for RoPE, the slower of the
-# pair: 664,882 tokens/s steady, 36.9 s of start-up (process, DeepSpeed, compile). Its 2,162-step training then ran
-# at 593,010 tokens/s with the curve's evaluations. docs/reproduction_gpu.md gives the run.
+# The speedrun model's reference throughput, the plan printed before the probe measures this device: one H200,
+# 2026-11-27, commit b6274a8 (at ZeRO 0), the probe's figures for RoPE, the slower of the pair: 664,882 tokens/s
+# steady, 36.9 s of start-up (process, DeepSpeed, compile). Its 2,162-step training then ran at 593,010 tokens/s
+# with the curve's evaluations (docs/reproduction.md, "Results: gpu-speedrun"; benchmarks/runs/
+# 2026-11-27_speedrun-pair_h200).
 REFERENCE_MEASUREMENT = {"device": "one NVIDIA H200", "date": "2026-11-27", "commit": "b6274a8",
                          "tokens_per_sec": 664_882.0, "startup_seconds": 36.9}
 PROBE_LOG_INTERVAL = 5
-# More passes over the bundle than this and a model mostly re-reads what it has seen: the 2026-11-27 H200 pair made
-# 11.8 over a 6M-token bundle (training loss 3.4 against validation 4.6); the profile's default bundle holds 30M.
+# More passes over the bundle than this and a model mostly re-reads what it has seen: the H200 pair of 2026-11-27
+# made 11.8 over a 6M-token bundle (training loss 3.4 against validation 4.6); the profile's default bundle holds 30M.
 QUIET_PASSES = 4.0
 
 
