@@ -10,10 +10,15 @@ data.cache_dir and built on first use.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.training.resume_target import check_resume_target
+
+if TYPE_CHECKING:
+    from megatron_lite.config import Config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +59,23 @@ def validate_arguments(args: argparse.Namespace, run_dir: Path) -> None:
         raise ValueError(f"--run-dir {run_dir}: exists and is not a directory")
 
 
+def check_launch(config: Config) -> None:
+    """What the ranks launched (WORLD_SIZE, set by the launcher; 1 without one) decide for ``config``, checked
+    before DeepSpeed starts: the batch triple and the sequence-parallel size. Found only after the process
+    group is up, each would cost a first start its JIT build of DeepSpeed's CPU op (1-2 minutes) first."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit() or int(world) < 1:
+        return  # the launcher's business; init_distributed reports it
+    import torch
+
+    from megatron_lite.training.deepspeed_config import resolve_batch_sizes
+    from megatron_lite.training.distributed import DistributedInfo
+    from megatron_lite.training.sequence_parallel import with_sequence_parallel
+
+    ranks = DistributedInfo(rank=0, local_rank=0, world_size=int(world), device=torch.device("cpu"))
+    resolve_batch_sizes(config, with_sequence_parallel(ranks, config.train.sequence_parallel_size).data_parallel_size)
+
+
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -62,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_lite import config as config_lib
 
     config = config_lib.load(args.config, args.set)
+    check_launch(config)
     from megatron_lite.training.data import set_verbose_summary
 
     set_verbose_summary(args.verbose)

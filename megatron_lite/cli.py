@@ -10,7 +10,10 @@ A script decorates its ``main(argv=None) -> int`` with ``@cli_main`` and ends wi
         return 0
 
 A ``ValueError`` (bad key, file or value) prints ``error: MESSAGE`` on stderr and makes ``main``
-return ``EXIT_USER_ERROR``; anything else is a bug and keeps its traceback.
+return ``EXIT_USER_ERROR``; anything else is a bug and keeps its traceback. Under a launcher (``deepspeed``,
+``torchrun``: RANK set) only rank 0 prints it: every rank checks the same config and command line, and a
+problem found by one rank is passed to rank 0 to name (the other ranks' errors say "see rank 0's message");
+the others exit with the same code, silently.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import sys
 from collections.abc import Callable
 from typing import NoReturn, ParamSpec
 
-from megatron_lite.console import show_notices
+from megatron_lite.console import is_main_rank, show_notices
 
 EXIT_USER_ERROR = 2  # as argparse exits for a bad command line
 
@@ -41,7 +44,8 @@ def cli_main(main: Callable[P, int | None]) -> Callable[P, int]:
         try:
             code = main(*args, **kwargs)
         except ValueError as error:
-            print_error(error)
+            if is_main_rank():
+                print_error(error)
             return EXIT_USER_ERROR
         return 0 if code is None else code
 

@@ -58,3 +58,53 @@ def test_a_missing_config_offers_the_nearest_file_and_a_directory_is_called_one(
         assert capsys.readouterr().err.splitlines() == [said]
     assert train.main(["--config", "configs/tiny/rope.yml", "--set", "train.lr=nan"]) == 2
     assert capsys.readouterr().err.splitlines() == ["error: --set train.lr=nan: must be positive"]
+
+
+# ----------------------------------------------------------------------------------------------
+# A user error under a launcher
+
+
+def test_the_launched_ranks_check_the_batch_before_deepspeed_and_only_rank_0_names_the_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from megatron_lite.training import loop
+
+    def reached(*args: object, **kwargs: object) -> None:
+        raise AssertionError("run_training started (DeepSpeed, the data, the run dir) for a batch that cannot fit")
+
+    monkeypatch.setattr(loop, "run_training", reached)
+    train = load_script("train.py")
+    command = ["--config", str(REPO / "configs/tiny/coca_slack.yml"), "--run-dir", str(tmp_path / "run"),
+               "--set", "train.train_batch_size=12"]
+    said = {}
+    for rank in (0, 1):
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", str(rank))
+        assert train.main(command) == 2
+        said[rank] = capsys.readouterr().err.splitlines()
+    assert said[1] == [] and said[0] == [
+        "error: train.train_batch_size=12 is not a multiple of train.train_micro_batch_size_per_gpu=16 x 2 "
+        "data-parallel ranks = 32; train.train_micro_batch_size_per_gpu=6, 3, 2 or 1 keeps it (set it with --set)"]
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    assert train.main([*command[:-1], "train.sequence_parallel_size=2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "error: train.sequence_parallel_size=2 does not divide the 3 rank(s) launched (ranks = data-parallel ranks x P)"]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_a_user_error_under_the_deepspeed_launcher_is_one_error_line(tmp_path: Path) -> None:
+    """Two ranks, a global batch that does not divide: one ``error:`` line (rank 0's), exit code 2, before
+    DeepSpeed starts. The launcher's own lines (stdout) follow: one "Killing subprocess" per rank and one naming
+    the command of the rank that exited, "exits with return code = 2"."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    command = train_command(REPO / "configs/tiny/coca_slack.yml", tmp_path / "run", "--set",
+                            "train.train_batch_size=12", ranks=2)
+    result = subprocess.run(command, cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [line for line in result.stderr.splitlines() if "error" in line.lower()] == [
+        "error: train.train_batch_size=12 is not a multiple of train.train_micro_batch_size_per_gpu=16 x 2 "
+        "data-parallel ranks = 32; train.train_micro_batch_size_per_gpu=6, 3, 2 or 1 keeps it (set it with --set)"]
+    assert "exits with return code = 2" in result.stdout and "Traceback" not in result.stdout + result.stderr
+    assert "built successfully" not in result.stdout  # stopped before DeepSpeed loads or builds its CPU op
+    assert not (tmp_path / "run").exists()
