@@ -379,7 +379,7 @@ DOCKER_VALUE_OPTIONS = {"-v", "--volume", "-e", "--env", "--name", "--network", 
                         "-p", "--publish"}
 DOCKER_FLAGS = {"--rm", "-d", "--detach", "-i", "-t", "-it", "--init", "--privileged"}
 SHELL_COMMANDS = {"mkdir", "cd", "ssh-keygen", "cp", "printf", "export", "echo", "cat", "chmod", "chown", "apt-get",
-                  "pip"}
+                  "pip", "torchrun"}  # torchrun: its documented commands are parsed by tests/test_torchrun.py
 
 
 @dataclass
@@ -535,7 +535,7 @@ def slurm_node_commands(nodes: int, gpus_per_node: int, train_args: list[str]) -
     assert tokens[program_at - 2] == "bash", "srun runs a bash -c program"
     program, _name, *args = tokens[program_at:]
     assert args == ["$@"], "the script's own arguments go on to train.py"
-    assert "bash -c 'exec deepspeed" in text, "single quotes: each task expands its own SLURM_NODEID"
+    assert "bash -c 'exec tools/slurm/node_task.sh deepspeed" in text, "single quotes: each task expands its own SLURM_NODEID"
     exported = {word for line in text.splitlines() if line.startswith("export ") for word in line.split()[1:]}
     used = set(re.findall(r"\$\{?([A-Za-z_]\w*)", program))
     unseen = sorted(used - exported - SLURM_TASK_VARIABLES)
@@ -546,8 +546,8 @@ def slurm_node_commands(nodes: int, gpus_per_node: int, train_args: list[str]) -
                   "MASTER_PORT": "29500", "SLURM_NNODES": str(nodes), "SLURM_NODEID": str(node)}
         expanded = program.replace('"$@"', shlex.join(train_args))
         words = shlex.split(re.sub(r"\$\{?(\w+)\}?", lambda match: values[match.group(1)], expanded))
-        assert words[:2] == ["exec", "deepspeed"], words
-        commands.append(words[2:])
+        assert words[:3] == ["exec", "tools/slurm/node_task.sh", "deepspeed"], words
+        commands.append(words[3:])
     return commands
 
 

@@ -14,6 +14,8 @@ checks that the lock is still the one judged stale before replacing it by its ow
 released, or its holder gone), says how it ended and exits with the code train.py gives for that ending as one
 process: what a job script reads after a signal, on which the ``deepspeed`` launcher returns at once, before
 its ranks have saved (docs/training.md, "Stopping and exit codes").
+``python -m megatron_lite.training.run_lock --run-dir-of TRAIN_ARGS...`` prints the run dir train.py uses with
+those arguments (its ``--run-dir``, else ``runs/<config name>``): how a job script finds the directory to wait on.
 """
 
 from __future__ import annotations
@@ -265,6 +267,19 @@ def run_ending(run_dir: Path) -> tuple[str, int]:
     return f"{run_dir}: {how}; {resume}", code
 
 
+def train_run_dir(train_args: list[str]) -> Path:
+    """The run dir train.py uses with ``train_args`` (its own rule: ``--run-dir``, else runs/<config stem>)."""
+    parser = argparse.ArgumentParser(prog="train.py", add_help=False)
+    parser.add_argument("--config")
+    parser.add_argument("--run-dir", type=Path)
+    known, _ = parser.parse_known_args(train_args)
+    if known.run_dir is not None:
+        return known.run_dir
+    if not known.config:
+        raise ValueError(f"--run-dir-of {' '.join(train_args)}: train.py arguments without --config or --run-dir")
+    return Path("runs") / Path(known.config).stem
+
+
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -274,10 +289,17 @@ def main(argv: list[str] | None = None) -> int:
                     "train.exit_interval, 3 non-finite losses, 4 failed saves, 130/143 SIGINT/SIGTERM, 1 no closing "
                     "row (killed). On a signal the deepspeed launcher exits at once, before its ranks have saved: a "
                     "job script runs this next (docs/training.md, 'Stopping and exit codes').")
-    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", nargs="?")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up (exit 2) if the run still holds its lock after SECONDS (default 600)")
+    parser.add_argument("--run-dir-of", nargs=argparse.REMAINDER, metavar="TRAIN_ARGS",
+                        help="print the run dir train.py uses with TRAIN_ARGS (everything after this flag) and exit")
     args = parser.parse_args(argv)
+    if args.run_dir_of is not None:
+        print(train_run_dir(args.run_dir_of), flush=True)
+        return 0
+    if args.run_dir is None:
+        parser.error("RUN_DIR is required (or --run-dir-of TRAIN_ARGS)")
     wait_for_run_end(args.run_dir, args.timeout)
     line, code = run_ending(args.run_dir)
     print(line, flush=True)

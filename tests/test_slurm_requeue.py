@@ -1,0 +1,235 @@
+"""The SLURM batch script (tools/slurm/train.sbatch) stopped by SLURM's signal, requeued and resumed, on one machine.
+
+Stand-ins on PATH behave like SLURM where it matters:
+* `srun` starts the command once per node (each with its SLURM_NODEID) and holds every process they start
+  (a child subreaper, like the step's cgroup: orphans stay in the step). On SIGUSR1 from the test it does what
+  `#SBATCH --signal=TERM@N` (no `B:`) does near the time limit: SIGTERM to every process of the step. Once every
+  task's main process has exited, or KillWait seconds after the signal, it SIGKILLs what is left of the step;
+  `--kill-on-bad-exit=1` SIGKILLs the step when a task exits non-zero. It exits with the highest task code;
+* `scontrol` answers `show hostnames` and records `requeue JOBID`; the test then reruns the script as the job's
+  next allocation (SLURM_RESTART_COUNT=1), appending to the same output file (`--open-mode=append`).
+
+Two "nodes" of one rank each train a tiny run; the signal lands mid-run. Every rank saves the step it was on,
+the script requeues the job, and the next allocation resumes there and trains to the end with the losses of an
+uninterrupted run (the same config from one `deepspeed --num_gpus 2`). Every step is in metrics.jsonl once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_lite import checkpoint_dirs
+from megatron_lite.training.sample_record import read_sample_indices
+from training_helpers import REPO, free_port, metrics, run_train, tiny_train_config, train_losses, write_config
+
+pytestmark = pytest.mark.slow  # real multi-process training runs
+
+STEPS = 40  # long enough for the signal to land mid-run (a tiny step takes ~50 ms)
+RELATIVE_TOLERANCE = 1e-5
+SLURM_SCRIPT = REPO / "tools" / "slurm" / "train.sbatch"
+JOB_ID = "4242"
+
+SCONTROL = """#!/bin/bash
+case "$1 $2" in
+    "show hostnames") tr , '\\n' <<< "$3" ;;
+    "requeue $SLURM_JOB_ID") echo "$2" >> "$SCONTROL_REQUEUE_FILE" ;;
+    *) echo "scontrol stand-in: only 'show hostnames' and 'requeue $SLURM_JOB_ID', not '$*'" >&2; exit 2 ;;
+esac
+"""
+
+SRUN = """#!{python}
+import ctypes, os, signal, sys, time
+
+ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER: the step keeps its orphans
+args = sys.argv[1:]
+options = []
+while args and args[0].startswith("-"):
+    options.append(args.pop(0))
+with open(os.environ["SRUN_OPTIONS_FILE"], "w") as handle:
+    handle.write("\\n".join(options) + "\\n")
+log = open(os.environ["SRUN_LOG_FILE"], "a", buffering=1)
+kill_wait = float(os.environ.get("SLURM_KILL_WAIT", "30"))
+signalled_at = None
+
+
+def step_processes():
+    parents = {{}}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{{entry}}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = [], [os.getpid()]
+    while frontier:
+        children = [pid for pid, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def signal_step(signum, why):
+    pids = step_processes()
+    log.write(f"{{why}}: {{signal.Signals(signum).name}} to {{len(pids)}} process(es)\\n")
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+def time_limit_warning(signum, frame):
+    global signalled_at
+    signalled_at = time.monotonic()
+    signal_step(signal.SIGTERM, "--signal")
+
+
+signal.signal(signal.SIGUSR1, time_limit_warning)
+tasks = {{}}
+for node in range(int(os.environ["SLURM_NNODES"])):
+    env = {{**os.environ, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node), "SLURM_LOCALID": "0"}}
+    pid = os.fork()
+    if pid == 0:
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        os.execvpe(args[0], args, env)
+    tasks[pid] = node
+with open(os.environ["SRUN_PID_FILE"], "w") as handle:
+    handle.write(str(os.getpid()))
+codes = {{}}
+while len(codes) < len(tasks):
+    while True:  # reap the tasks and the orphans the step inherits
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            pid = 0
+        if pid == 0:
+            break
+        if pid in tasks:
+            codes[pid] = os.waitstatus_to_exitcode(status)
+            codes[pid] = codes[pid] if codes[pid] >= 0 else 128 - codes[pid]
+            log.write(f"task {{tasks[pid]}} exited {{codes[pid]}}\\n")
+    if "--kill-on-bad-exit=1" in options and any(codes.values()) and len(codes) < len(tasks):
+        signal_step(signal.SIGKILL, "a task exited non-zero (--kill-on-bad-exit)")
+    elif signalled_at is not None and time.monotonic() - signalled_at > kill_wait:
+        signal_step(signal.SIGKILL, "KillWait over")
+    time.sleep(0.05)
+signal_step(signal.SIGKILL, "every task exited: the step ends")
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+sys.exit(max(codes.values()))
+"""
+
+
+def install_stand_ins(directory: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in (("scontrol", SCONTROL), ("srun", SRUN.format(python=sys.executable))):
+        (directory / name).write_text(text)
+        (directory / name).chmod(0o755)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def config(training_corpus, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny run at global batch 8 (micro 4, accumulation derived), ZeRO 1 (each rank saves its optimizer
+    partition), validation every 10 steps, no periodic save: only the signal's and the final checkpoint."""
+    mix, cache = training_corpus
+    data = tiny_train_config(mix, cache, train_iters=STEPS, train_batch_size=8, gradient_accumulation_steps=None,
+                             zero_stage=1, eval_interval=10, save_interval=0, record_sample_indices=True)
+    return write_config(tmp_path_factory.mktemp("slurm_requeue") / "config.yml", data)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(config: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same run from one launcher with both ranks, never stopped: what the requeued job must equal."""
+    run_dir = tmp_path_factory.mktemp("uninterrupted") / "run"
+    run_train(config, run_dir, ranks=2)
+    return run_dir
+
+
+def sbatch_directives(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^#SBATCH (--[\w-]+)(?:=(\S+))?$", text, flags=re.M))
+
+
+def test_signal_saves_on_every_rank_requeues_and_the_next_allocation_resumes(config: Path, uninterrupted: Path,
+                                                                            tmp_path: Path) -> None:
+    directives = sbatch_directives(SLURM_SCRIPT.read_text())
+    # the step variant of --signal (no "B:"): SLURM signals the step's processes, the ranks among them
+    assert re.fullmatch(r"TERM@(\d+)", directives["--signal"]) and int(directives["--signal"][5:]) >= 120
+    assert "--requeue" in directives and directives["--open-mode"] == "append"
+
+    stand_ins = install_stand_ins(tmp_path / "bin")
+    run_dir, output_file, requeues = tmp_path / "run", tmp_path / "job.out", tmp_path / "requeues"
+    path = os.pathsep.join([str(stand_ins), str(Path(sys.executable).parent), os.environ["PATH"]])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "DEEPSPEED_TIMEOUT": "2",
+           "PATH": path, "SLURM_JOB_ID": JOB_ID, "SLURM_JOB_NODELIST": "127.0.0.1,localhost", "SLURM_NNODES": "2",
+           "SLURM_GPUS_PER_NODE": "cpu:1", "SLURM_CPUS_ON_NODE": "2", "HOSTFILE": str(tmp_path / "hostfile"),
+           "SRUN_OPTIONS_FILE": str(tmp_path / "srun_options"), "SRUN_LOG_FILE": str(tmp_path / "srun.log"),
+           "SRUN_PID_FILE": str(tmp_path / "srun.pid"), "SCONTROL_REQUEUE_FILE": str(requeues),
+           "WAIT_FOR_LOCK": "30"}
+
+    def allocation(restart_count: int, signal_after_steps: int | None) -> int:
+        """One run of the batch script as SLURM starts it (output appended to the job's file); with
+        ``signal_after_steps``, the time limit's warning once that many steps are logged."""
+        (tmp_path / "srun.pid").unlink(missing_ok=True)
+        with output_file.open("a") as output:
+            job = subprocess.Popen(["bash", str(SLURM_SCRIPT), "--config", str(config), "--run-dir", str(run_dir)],
+                                   cwd=REPO, env={**env, "SLURM_RESTART_COUNT": str(restart_count),
+                                                  "MASTER_PORT": str(free_port())},
+                                   stdout=output, stderr=subprocess.STDOUT)
+            try:
+                if signal_after_steps is not None:
+                    deadline = time.monotonic() + 300
+                    while not (run_dir / "metrics.jsonl").is_file() or len(train_losses(run_dir)) < signal_after_steps:
+                        assert job.poll() is None and time.monotonic() < deadline, output_file.read_text()[-4000:]
+                        time.sleep(0.05)
+                    os.kill(int((tmp_path / "srun.pid").read_text()), signal.SIGUSR1)
+                return job.wait(timeout=300)
+            finally:
+                if job.poll() is None:
+                    job.kill()
+
+    code = allocation(0, signal_after_steps=3)
+    log = output_file.read_text()
+    assert code == 143, log[-4000:]
+    assert requeues.read_text().split() == [JOB_ID], log[-4000:]
+    stopped = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
+    assert stopped is not None, log[-4000:]
+    marker = checkpoint_dirs.read_complete_marker(stopped)
+    step = marker["step"]
+    assert 3 <= step < STEPS and (marker["world_size"], marker["stopped_by"]) == (2, "signal")
+    for rank in (0, 1):  # every rank saved its share
+        assert (stopped / f"rng_state_rank{rank:05d}.pt").is_file()
+        assert len(list(stopped.glob(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))) == 1
+    assert max(train_losses(run_dir)) == step  # no step past the signal is lost: the last one trained is saved
+    assert f"{run_dir}: stopped by SIGTERM at step {step}" in log  # node_task.sh's wait, on both nodes
+    assert (tmp_path / "srun.log").read_text().startswith("--signal: SIGTERM to ")
+    assert "requeueing job 4242" in log
+
+    code = allocation(1, signal_after_steps=None)
+    log = output_file.read_text()
+    assert code == 0, log[-4000:]
+    assert requeues.read_text().split() == [JOB_ID]  # completed: no second requeue
+    assert "allocation 1 of job 4242" in log and "allocation 2 of job 4242" in log  # one output file, appended
+    assert f"resumed from {stopped} at step {step}" in log
+    marker = checkpoint_dirs.read_complete_marker(run_dir / checkpoint_dirs.CHECKPOINTS_DIR /
+                                                  checkpoint_dirs.step_tag(STEPS))
+    assert (marker["step"], marker["world_size"], marker["stopped_by"]) == (STEPS, 2, "completed")
+    steps = [row["step"] for row in metrics(run_dir) if row.get("loss") is not None]
+    assert steps == list(range(1, STEPS + 1))  # every step once
+    losses, expected = train_losses(run_dir), train_losses(uninterrupted)
+    assert sorted(expected) == steps
+    for each in steps:
+        assert losses[each] == pytest.approx(expected[each], rel=RELATIVE_TOLERANCE), each
+    assert read_sample_indices(run_dir) == read_sample_indices(uninterrupted)
