@@ -15,6 +15,8 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -57,8 +59,49 @@ def notice(message: str, stacklevel: int = 1) -> None:
     warnings.warn(message, Notice, stacklevel=stacklevel + 1)
 
 
-def _is_main_rank() -> bool:
+def is_main_rank() -> bool:
+    """Rank 0 of a launch (RANK, set by the launcher before the process starts), or a process without one."""
     return int(os.environ.get("RANK", "0")) == 0
+
+
+class _LinesDropped:
+    """A text stream passing every line to ``stream`` except those matching ``pattern``."""
+
+    def __init__(self, stream: TextIO, pattern: re.Pattern[str]) -> None:
+        self.stream, self.pattern, self.pending = stream, pattern, ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        kept = [line + "\n" for line in lines if not self.pattern.match(line)]
+        if kept:
+            self.stream.write("".join(kept))
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def close_line(self) -> None:
+        if self.pending and not self.pattern.match(self.pending):
+            self.stream.write(self.pending)
+        self.pending = ""
+
+    def __getattr__(self, name: str) -> object:  # fileno, isatty, encoding, ...: the stream's own
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def stdout_without(pattern: str) -> Iterator[None]:
+    """While the body runs, lines a library ``print``s to stdout matching ``pattern`` (a regex matched at the
+    line's start) are dropped; every other line passes. Python-level writes only (not a subprocess's)."""
+    original = sys.stdout
+    filtered = _LinesDropped(original, re.compile(pattern))
+    sys.stdout = filtered  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if sys.stdout is filtered:
+            sys.stdout = original
+        filtered.close_line()
 
 
 class _HarmlessRecords(logging.Filter):
@@ -73,7 +116,7 @@ class _HarmlessRecords(logging.Filter):
 def _show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
           file: TextIO | None = None, line: str | None = None) -> None:
     if issubclass(category, Notice):
-        if _is_main_rank():
+        if is_main_rank():
             console(f"warning: {message}")
         return
     (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))  # as Python does

@@ -108,3 +108,41 @@ def test_a_user_error_under_the_deepspeed_launcher_is_one_error_line(tmp_path: P
     assert "exits with return code = 2" in result.stdout and "Traceback" not in result.stdout + result.stderr
     assert "built successfully" not in result.stdout  # stopped before DeepSpeed loads or builds its CPU op
     assert not (tmp_path / "run").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSpeed's CPU communication op: built once, said once; loaded quietly
+
+
+BUILT = "DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully"  # deepspeed/comm/torch.py's line
+
+
+def test_the_cpu_op_build_is_announced_once_on_rank_0_and_its_cached_loads_are_quiet(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Decided from torch's build directory (TORCH_EXTENSIONS_DIR/deepspeed_shm_comm): no library there, the
+    notice names it before the build and DeepSpeed's line after it stays; a library there (a load), the
+    notice is not given and DeepSpeed's line is dropped, while every other line passes."""
+    from megatron_lite.training import jit_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    build_dir = tmp_path / "deepspeed_shm_comm"
+    assert jit_lock.comm_op_to_build() == build_dir
+    capsys.readouterr()  # what importing DeepSpeed printed
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        with jit_lock.watch_jit_locks():
+            print(BUILT)
+        said = capsys.readouterr().out.splitlines()
+        notice = [jit_lock.build_notice(build_dir)] if rank == "0" else []
+        assert said == [*notice, BUILT]
+    assert "1-2 minutes" in jit_lock.build_notice(build_dir) and str(build_dir) in jit_lock.build_notice(build_dir)
+
+    build_dir.mkdir()
+    (build_dir / "deepspeed_shm_comm.so").write_bytes(b"")
+    assert jit_lock.comm_op_to_build() is None
+    with jit_lock.watch_jit_locks():
+        print("a line of its own")
+        print(BUILT)
+        sys.stdout.write("no newline yet")
+    assert capsys.readouterr().out == "a line of its own\nno newline yet"

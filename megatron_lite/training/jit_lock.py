@@ -1,7 +1,11 @@
-"""Watching DeepSpeed's one-time JIT build of its CPU communication op for a stale lock.
+"""DeepSpeed's one-time JIT build of its CPU communication op: said before it starts, quiet once cached, and
+watched for a stale lock.
 
 ``deepspeed.init_distributed`` builds (or loads) ``deepspeed_shm_comm`` through
-``torch.utils.cpp_extension``, which guards the build directory with a ``lock`` file and makes every
+``torch.utils.cpp_extension``: a build (1-2 minutes of compiling, the first start on a machine or after an
+upgrade of DeepSpeed or torch) is announced in one line on rank 0 first, naming where it is cached; a load
+from that cache says nothing (DeepSpeed prints "... built successfully" on each rank either way, dropped
+then). The build guards the build directory with a ``lock`` file and makes every
 other process sleep until it disappears. A builder killed mid-build (SIGKILL, OOM) leaves the file
 behind, and the file holds no process id; but a live builder keeps it open, so ``/proc/*/fd`` tells
 a running build on this host from a dead one. While start-up waits, a watcher thread names any such
@@ -13,7 +17,9 @@ its parent or a child of this process holds, or under a launcher (LOCAL_RANK set
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -21,10 +27,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megatron_lite.cli import seconds_from_env
-from megatron_lite.console import notice
+from megatron_lite.console import console, is_main_rank, notice, stdout_without
 
 LOCK_WARN_ENV = "MEGATRON_LITE_JIT_LOCK_WARN_SECONDS"
 DEFAULT_WARN_SECONDS = 60.0
+BUILT_LINE = r"DeepSpeed \S+ built successfully$"  # deepspeed/comm/torch.py prints it after every load of the op
 
 
 def extensions_root() -> Path:
@@ -35,6 +42,40 @@ def extensions_root() -> Path:
     from torch.utils.cpp_extension import get_default_build_root
 
     return Path(get_default_build_root())
+
+
+def build_directory(name: str) -> Path:
+    """Where torch.utils.cpp_extension builds and caches the JIT op ``name`` (as its ``_get_build_directory``,
+    without creating it): ``TORCH_EXTENSIONS_DIR/<name>``, or ``<default root>/py<version>_<accelerator>/<name>``."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return extensions_root() / name
+    import torch
+
+    accelerator = (f"rocm{torch.version.hip.replace('.', '')}" if torch.version.hip is not None
+                   else f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda is not None else "cpu")
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return extensions_root() / f"{python}_{accelerator}" / name
+
+
+def comm_op_to_build() -> Path | None:
+    """The build directory of DeepSpeed's CPU communication op when ``deepspeed.init_distributed`` is about to
+    JIT-build it (the CPU accelerator, the op compatible, not pre-installed, no built library cached there);
+    None when it only loads, or builds nothing."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")  # None on CUDA: NCCL needs no op
+    if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False) \
+            or installed_ops.get(builder.NAME, False):
+        return None
+    directory = build_directory(builder.NAME)
+    return None if (directory / f"{builder.NAME}.so").is_file() else directory
+
+
+def build_notice(directory: Path) -> str:
+    return (f"building DeepSpeed's CPU communication op ({directory.name}) once for this machine, DeepSpeed and "
+            f"torch: about 1-2 minutes of compiling, then cached in {directory}")
 
 
 def lock_files(root: Path) -> list[Path]:
@@ -98,7 +139,21 @@ def warn_seconds() -> float:
 
 @contextmanager
 def watch_jit_locks(seconds: float | None = None) -> Iterator[None]:
-    """While the body runs: after ``seconds`` (and every ``seconds`` after), a notice per lock file."""
+    """Around ``deepspeed.init_distributed``: the build notice first when the CPU communication op is to be built
+    (rank 0), DeepSpeed's "built successfully" line dropped when it is only loaded; while the body runs, after
+    ``seconds`` (and every ``seconds`` after), a notice per lock file."""
+    to_build = comm_op_to_build()
+    if to_build is not None and is_main_rank():
+        console(build_notice(to_build))
+    with contextlib.ExitStack() as stack:
+        if to_build is None:
+            stack.enter_context(stdout_without(BUILT_LINE))
+        stack.enter_context(_watching(seconds))
+        yield
+
+
+@contextmanager
+def _watching(seconds: float | None) -> Iterator[None]:
     period = warn_seconds() if seconds is None else seconds
     root = extensions_root()
     done = threading.Event()
