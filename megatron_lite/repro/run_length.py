@@ -5,7 +5,7 @@ docs/run_at_scale.md, docs/reproduction.md (profile paper-350m) and the budget t
 ``<!-- run_length:NAME -->`` and ``<!-- /run_length -->`` markers: ``python -m megatron_lite.repro.run_length
 --write`` regenerates them and tests/test_run_length.py fails while they differ. The speed they assume is read
 from the run records (benchmarks/runs/<record>/record.json): ``MEASURED`` is the newest record of the users'
-command, ``BASELINE`` the first one; a new record is picked up by regenerating.
+command, ``BASELINE`` the first (``BASELINE_RECORD``); a new record is picked up by regenerating.
 
 The measured runs trained on a data bundle whose tokenizer has 16,000 pieces: 335,079,424 parameters, not the
 404.8M of the paper's vocabulary. MFU carries over between the two (the FLOPs are counted for the model that
