@@ -18,6 +18,7 @@ from dev.census_bench import HF_TWIN, CensusSettings, format_census, run_census
 from dev.compile_time import CompileTimeSettings, _summary, format_compile_time, measure_in_process, worker_env
 from dev.step_census import HOST_TO_DEVICE, census_step, traffic_bytes
 from megatron_lite import config as config_lib
+from script_loading import REPO
 
 
 class TwoGemms(nn.Module):
@@ -274,3 +275,14 @@ def test_cpu_figures_flags(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
     assert "--compile-modes 'whole,bogus'" in errors and "--census-devices 'tpu'" in errors
     assert "--compiled-bytes-batch-size 0" in errors and "error: nothing to run" in errors
     assert all(line.startswith("error: ") for line in errors.splitlines()), errors
+
+
+def test_dev_is_not_installed() -> None:
+    """pyproject's package discovery finds megatron_lite's packages only: dev/ stays out of the wheel."""
+    from setuptools import find_packages
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = find_packages(where=str(REPO), include=include)
+    assert "megatron_lite.bench" in packages and all(name.startswith("megatron_lite") for name in packages), packages
+    assert (REPO / "dev" / "step_census.py").is_file() and "dev" not in packages
