@@ -51,3 +51,70 @@ def test_a_resume_removes_the_staging_folder_of_a_killed_conversion_but_not_a_ru
     assert not staging.exists() and tmp_path.is_dir()  # the link removed, not what it points to
     assert _notices(caught) == [f"{staging}: removed (0.3 MB), the staging folder of a universal conversion that "
                                 "did not finish"]
+
+
+# ----------------------------------------------------------------------------------------------
+# The data cache
+
+
+@pytest.fixture
+def cache_copy(training_corpus, tmp_path: Path) -> tuple[config_lib.Config, Path]:
+    """(config, its data cache): a copy of the session's tokenised corpus."""
+    from training_helpers import tiny_train_config
+
+    mix, cache = training_corpus
+    shutil.copytree(cache, tmp_path / "cache")
+    return config_lib.from_dict(tiny_train_config(mix, tmp_path / "cache")), tmp_path / "cache"
+
+
+def _prepare(config: config_lib.Config) -> list[str]:
+    """The notices of one ``prepare_data`` (quiet otherwise)."""
+    from megatron_lite.data.preprocess import prepare_data
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepare_data(config.data, config.model.vocab_size, progress=False)
+    return _notices(caught)
+
+
+def test_a_damaged_shard_is_named_once_when_it_is_rebuilt(cache_copy: tuple[config_lib.Config, Path]) -> None:
+    """A half-truncated ``.idx``, then a shortened ``.bin``: each rebuilt with one notice naming it and why;
+    the rebuilt cache is reused without a word."""
+    config, cache = cache_copy
+    idx = next((cache / "shards" / "prose").glob("*.idx"))
+    bin_file = next((cache / "shards" / "code").glob("*.bin"))
+    intact = {path: path.read_bytes() for path in (idx, bin_file)}
+    idx.write_bytes(intact[idx][: len(intact[idx]) // 2])
+    assert _prepare(config) == [f"data cache: {idx} is damaged ({len(intact[idx]) // 2:,} bytes, "
+                                f"{len(intact[idx]):,} from the manifest's counts); rebuilding source prose from there"]
+    assert idx.read_bytes() == intact[idx]
+    bin_file.write_bytes(intact[bin_file][:-2])
+    assert _prepare(config) == [f"data cache: {bin_file} is damaged ({len(intact[bin_file]) - 2:,} bytes, "
+                                f"{len(intact[bin_file]):,} from the manifest's counts); rebuilding source code from "
+                                "there"]
+    assert bin_file.read_bytes() == intact[bin_file] and _prepare(config) == []
+
+
+def test_a_garbage_cached_tokenizer_is_retrained_and_a_garbage_given_one_is_named(
+        cache_copy: tuple[config_lib.Config, Path], tmp_path: Path) -> None:
+    """The cache's own trained model: named and retrained (the same model, so the shards stay). A model the
+    config gives: one line naming that file, which is left as it is, and no copy of it stays in the cache."""
+    from megatron_lite.data.tokenizer import ensure_tokenizer
+
+    config, cache = cache_copy
+    model = cache / "tokenizer" / "tokenizer.model"
+    trained = model.read_bytes()
+    model.write_bytes(b"\x00garbage" * 64)
+    said = _prepare(config)
+    assert said == [f"data cache: {model} is damaged (not a SentencePiece model (INTERNAL: could not parse "
+                    f"ModelProto from {model})); retraining it"]
+    assert model.read_bytes() == trained and _prepare(config) == []
+
+    given = tmp_path / "spm.model"
+    given.write_bytes(b"\x00garbage" * 64)
+    with pytest.raises(ValueError) as error:
+        ensure_tokenizer(config_lib.with_overrides(config, [f"data.tokenizer.model={given}"]).data,
+                         config.model.vocab_size, progress=False)
+    assert str(error.value) == (f"data.tokenizer.model='{given}': tokenizer model {given}: not a SentencePiece model "
+                                f"(INTERNAL: could not parse ModelProto from {given}); fix or replace that file")
+    assert given.read_bytes() == b"\x00garbage" * 64 and not model.exists()

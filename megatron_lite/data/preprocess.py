@@ -128,12 +128,35 @@ def shard_prefix(name: str, index: int) -> str:
     return neox_prefix(f"shards/{name}/{name}_{index:05d}", "text")
 
 
-def _shard_intact(cache_dir: Path, shard: ShardRecord, itemsize: int) -> bool:
-    """Cheap check (sizes, no hashing): one sequence per document, so both sizes are known."""
-    bin_path, idx_path = cache_dir / (shard.prefix + ".bin"), cache_dir / (shard.prefix + ".idx")
+def _shard_damage(cache_dir: Path, shard: ShardRecord, itemsize: int) -> tuple[Path, str] | None:
+    """Cheap check (sizes, no hashing): one sequence per document, so both sizes are known. The first file of a
+    recorded (finished) shard that is missing or of another size, and why; None when both are as recorded."""
     idx_size = HEADER_SIZE + 12 * shard.documents + 8 * (shard.documents + 1)
-    return (bin_path.is_file() and idx_path.is_file() and bin_path.stat().st_size == shard.tokens * itemsize
-            and idx_path.stat().st_size == idx_size)
+    for suffix, expected in ((".idx", idx_size), (".bin", shard.tokens * itemsize)):
+        path = cache_dir / (shard.prefix + suffix)
+        if not path.is_file():
+            return path, "missing"
+        size = path.stat().st_size
+        if size != expected:
+            return path, f"{size:,} bytes, {expected:,} from the manifest's counts"
+    return None
+
+
+def _shard_intact(cache_dir: Path, shard: ShardRecord, itemsize: int) -> bool:
+    return _shard_damage(cache_dir, shard, itemsize) is None
+
+
+def _name_damage(name: str, previous: SourceRecord | None, config_hash: str, cache_dir: Path, itemsize: int) -> None:
+    """One notice naming the first damaged file among the finished shards of ``previous`` (truncated, cut
+    short, deleted), when the source is to be rebuilt for it rather than for a change of its settings or inputs."""
+    if previous is None or previous.config_hash != config_hash:
+        return
+    damaged = [found for shard in previous.shards if (found := _shard_damage(cache_dir, shard, itemsize))]
+    if damaged:
+        (path, why), more = damaged[0], len(damaged) - 1
+        state = "is missing" if why == "missing" else f"is damaged ({why})"
+        notice(f"data cache: {path} {state}{f'; {more} more shard(s) too' if more else ''}; rebuilding source {name} "
+               "from there", stacklevel=3)
 
 
 def _is_cached(previous: SourceRecord | None, config_hash: str, source: SourceConfig, cache_dir: Path,
@@ -360,6 +383,8 @@ def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, 
                                                            vocab_size=tokenizer.vocab_size, progress=progress)
                     status[name] = "linked"
                     continue
+
+                _name_damage(name, previous, config_hash, cache_dir, dtype.itemsize)
 
                 def checkpoint(record: SourceRecord, name: str = name) -> None:
                     nonlocal saved_midway

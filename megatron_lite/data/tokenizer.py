@@ -344,6 +344,25 @@ def _install_tokenizer(source: Path, directory: Path) -> Path:
     return targets[0]
 
 
+def _trained_tokenizer(target: Path, spec_path: Path, spec: dict[str, Any]) -> Tokenizer | None:
+    """The model this cache trained for ``spec``, or None when there is none to reuse: none trained yet, another
+    spec, or a damaged file (named in a notice: the pipeline made it, so it retrains it)."""
+    if not (spec_path.is_file() and target.is_file()):
+        return None
+    try:
+        if json.loads(spec_path.read_text()) != spec:
+            return None
+    except ValueError as error:  # JSON or UTF-8
+        notice(f"data cache: {spec_path} is damaged (not JSON: {error}); retraining the tokenizer", stacklevel=3)
+        return None
+    try:
+        return Tokenizer(target)
+    except ValueError as error:
+        why = str(error).removeprefix(f"tokenizer model {target}: ")
+        notice(f"data cache: {target} is damaged ({why}); retraining it", stacklevel=3)
+        return None
+
+
 def ensure_tokenizer(data: DataConfig, vocab_size: int, mix: MixConfig | None = None, *, retrain: bool = False,
                      progress: bool = True) -> AnyTokenizer:
     """The cache's tokenizer: a copy of ``data.tokenizer.model`` (SentencePiece, or a Hugging Face
@@ -367,15 +386,18 @@ def ensure_tokenizer(data: DataConfig, vocab_size: int, mix: MixConfig | None = 
         spec_path.unlink(missing_ok=True)  # not trained by us: a later null model must retrain
         try:
             tokenizer = load_tokenizer(target)
-        except ValueError as error:
-            raise ValueError(f"{origin}: {error}") from None
+        except ValueError:
+            _remove_tokenizers(target.parent, keep=set())  # the cache keeps no copy for a later run to trip on
+            try:
+                load_tokenizer(source)  # the user's file, never overwritten: named as the one to fix
+            except ValueError as error:
+                raise ValueError(f"{origin}: {error}; fix or replace that file") from None
+            raise
     else:
         _remove_tokenizers(target.parent, keep={target.name})  # an earlier given tokenizer.json
         spec = json.loads(json.dumps(_tokenizer_spec(data, vocab_size, mix)))  # normalised (tuples -> lists)
-        cached = spec_path.is_file() and target.is_file() and json.loads(spec_path.read_text()) == spec
-        if cached and not retrain:
-            tokenizer = Tokenizer(target)
-        else:
+        tokenizer = None if retrain else _trained_tokenizer(target, spec_path, spec)
+        if tokenizer is None:
             start = time.perf_counter()
             tokenizer = train_from_mix(mix, target, vocab_size, data.tokenizer.sample_chars,
                                        num_threads=data.num_workers, progress=progress)
