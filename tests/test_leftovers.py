@@ -109,6 +109,10 @@ def test_a_garbage_cached_tokenizer_is_retrained_and_a_garbage_given_one_is_name
     assert said == [f"data cache: {model} is damaged (not a SentencePiece model (INTERNAL: could not parse "
                     f"ModelProto from {model})); retraining it"]
     assert model.read_bytes() == trained and _prepare(config) == []
+    spec = cache / "tokenizer" / "train_spec.json"
+    spec.write_text("{not json")
+    assert _prepare(config)[0].startswith(f"data cache: {spec} is damaged (not JSON: ")
+    assert model.read_bytes() == trained and _prepare(config) == []
 
     given = tmp_path / "spm.model"
     given.write_bytes(b"\x00garbage" * 64)
