@@ -62,7 +62,7 @@ def validate_arguments(args: argparse.Namespace, run_dir: Path) -> None:
 def check_launch(config: Config) -> None:
     """What the ranks launched (WORLD_SIZE, set by the launcher; 1 without one) decide for ``config``, checked
     before DeepSpeed starts: the batch triple and the sequence-parallel size. Found only after the process
-    group is up, each would cost a first start its JIT build of DeepSpeed's CPU op (1-2 minutes) first."""
+    group is up, each would cost a first start its JIT build of DeepSpeed's CPU op (40 s to 2 minutes) first."""
     world = os.environ.get("WORLD_SIZE", "1")
     if not world.isdigit() or int(world) < 1:
         return  # the launcher's business; init_distributed reports it

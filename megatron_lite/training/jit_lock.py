@@ -2,10 +2,11 @@
 watched for a stale lock.
 
 ``deepspeed.init_distributed`` builds (or loads) ``deepspeed_shm_comm`` through
-``torch.utils.cpp_extension``: a build (1-2 minutes of compiling, the first start on a machine or after an
-upgrade of DeepSpeed or torch) is announced in one line on rank 0 first, naming where it is cached; a load
-from that cache says nothing (DeepSpeed prints "... built successfully" on each rank either way, dropped
-then). The build guards the build directory with a ``lock`` file and makes every
+``torch.utils.cpp_extension``: a build (40 s to 2 minutes of compiling, when its build directory holds no
+library yet: the first start on a machine, or in a new ``TORCH_EXTENSIONS_DIR``) is announced in one line on
+rank 0 first, naming where it is cached; a load from that cache says nothing (DeepSpeed prints "... built
+successfully" on each rank either way, dropped then; a rebuild torch decides on by itself, for sources changed
+by an upgrade, goes unannounced). The build guards the build directory with a ``lock`` file and makes every
 other process sleep until it disappears. A builder killed mid-build (SIGKILL, OOM) leaves the file
 behind, and the file holds no process id; but a live builder keeps it open, so ``/proc/*/fd`` tells
 a running build on this host from a dead one. While start-up waits, a watcher thread names any such
@@ -75,7 +76,7 @@ def comm_op_to_build() -> Path | None:
 
 def build_notice(directory: Path) -> str:
     return (f"building DeepSpeed's CPU communication op ({directory.name}) once for this machine, DeepSpeed and "
-            f"torch: about 1-2 minutes of compiling, then cached in {directory}")
+            f"torch: 40 s to 2 minutes of compiling, then cached in {directory}")
 
 
 def lock_files(root: Path) -> list[Path]:
