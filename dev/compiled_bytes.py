@@ -166,7 +166,7 @@ def block_kernels(scheme: str, settings: CompiledBytesSettings) -> list[dict[str
     """Each kernel inductor generates and each extern call (GEMM, attention) of one block compiled as training
     compiles it (one region, ``layer.compile()``; the rest of the one-layer model stays eager), forward then
     backward: inductor's bytes per token and the aten operators the kernel was made from. What a GEMM template's
-    epilogue could absorb is read off this list (docs/gpu.md, the 1.3x miss)."""
+    epilogue could absorb is read off this list (docs/performance.md, where a step's time goes)."""
     from torch._inductor.scheduler import ExternKernelSchedulerNode
 
     config = config_lib.with_overrides(config_lib.load(settings.config_path), ["model.num_layers=1"])

@@ -471,8 +471,8 @@ class TrainConfig:
     compile_cpp_wrapper: bool = _doc(
         "inductor's C++ wrapper (torch._inductor.config.cpp_wrapper): the compiled graphs' kernels launched from "
         "generated C++ instead of Python, at a longer first step. Needs train.compile; keeps train.cuda_graphs' "
-        "null default off. Experimental: not measured on a GPU, no faster on a CPU "
-        "([figures](benchmarks.md#what-the-cpu-figures-predict-on-a-gpu)).",
+        "null default off. Experimental: not measured on a GPU, where CUDA graphs remove the same launch cost "
+        f"([figures]({PERFORMANCE})).",
         section=EXPERIMENTAL, default=False)
     compile_options: dict[str, Any] = _doc(
         "Passthrough: inductor settings for the compiled graphs (torch.compile's options), torch._inductor.config "
