@@ -207,8 +207,9 @@ def test_results_tables_quote_their_records(doc: Path) -> None:
     assert not problems, "\n".join(problems)
 
 
-def test_performance_has_results_tables() -> None:
-    rows = table_rows((REPO / "docs" / "performance.md").read_text())
+@pytest.mark.parametrize("doc", RESULT_DOCS, ids=lambda path: path.name)
+def test_the_results_tables_quote_the_newest_users_command_record(doc: Path) -> None:
+    rows = table_rows(doc.read_text())
     linked = {name for _, header, line in rows if "record" in header for name in RECORD_LINK.findall(line)}
     assert run_length.MEASURED.record in linked
 

@@ -1,7 +1,7 @@
 """How long the paper's 350M run is and how fast it trains: the one place the figures come from.
 
-docs/run_at_scale.md, docs/reproduction.md (profile paper-350m) and the budget that ``tools/reproduce.py
---profile paper-350m`` prints all use this module. The docs carry its figures between
+README.md (its results table), docs/run_at_scale.md, docs/reproduction.md (profile paper-350m) and the budget
+that ``tools/reproduce.py --profile paper-350m`` prints all use this module. The docs carry its figures between
 ``<!-- run_length:NAME -->`` and ``<!-- /run_length -->`` markers: ``python -m megatron_lite.repro.run_length
 --write`` regenerates them and tests/test_run_length.py fails while they differ. The speed they assume is read
 from the run records (benchmarks/runs/<record>/record.json): ``MEASURED`` is the newest record of the users'
@@ -34,7 +34,7 @@ from megatron_lite.repro.settings import REPO_ROOT
 
 PAPER_CONFIG = REPO_ROOT / "configs" / "coca_350m.yml"
 PAPER_MIX = REPO_ROOT / "configs" / "data" / "paper_mix.yml"
-DOCS = (REPO_ROOT / "docs" / "run_at_scale.md", REPO_ROOT / "docs" / "reproduction.md")
+DOCS = (REPO_ROOT / "README.md", REPO_ROOT / "docs" / "run_at_scale.md", REPO_ROOT / "docs" / "reproduction.md")
 PAPER_SAMPLE_TOKENS = 50_000_000_000  # the paper (section 4): a ~50B-token sample of its mix, trained 2 epochs
 PLAN_GPUS = (1, 8)
 # label -> KNOWN_PEAK_TFLOPS key; an H100 SXM has the H200's dense bf16 peak (989 TFLOP/s)
