@@ -156,7 +156,7 @@ def _docs_outputs() -> set[str]:
     """Relative paths the README's and docs' commands write or download into the checkout."""
     patterns = [r"tools/convert_checkpoint\.py +\S+ +([^\s\\`]+) +--to", r"--out +([^\s\\`|\]]+)",
                 r"--local-dir +([^\s\\`|]+)", r"--json +([^\s\\`|\]]+)", r"--run-dir +([^\s\\`|]+)",
-                r"tools/gpu_one_call\.sh +\S+ +\S+ +([^\s\\`]+)"]
+                r"tools/gpu/(?:check_gpu|speedrun_pair|acceptance)\.sh +(?:--dry-run +)?\S+ +\S+ +([^\s\\`]+)"]
     found: set[str] = set()
     for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
         for pattern in patterns:

@@ -1,16 +1,20 @@
 """tools/gpu_check.py --smoke: every section on the tiny config on the CPU, written to JSON and markdown as it
 finishes; a re-run skips finished sections; --only picks sections; no CUDA without --smoke is one error line.
 --quick --smoke: the quick profile's sections and rows for the schemes given; its flags checked (one error line
-each); the users' command's metrics and warnings read from synthetic files; tools/gpu_one_call.sh parses."""
+each); the users' command's metrics and warnings read from synthetic files; the Hugging Face twin's loss compiled with
+it; the scripts of tools/gpu/ parse, name only settings and flags that exist, and the acceptance script's dry run
+writes every phase's files."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
 import tarfile
 import time
+import typing
 from pathlib import Path
 
 import pytest
@@ -317,7 +321,7 @@ def test_users_command_row_carries_the_profiled_step(tmp_path: Path) -> None:
     assert fields["profile_table"] == str(tmp_path / "profile" / "steps_21_rank0.txt")
 
 
-def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
+def test_users_command_line_and_the_check_script(tmp_path: Path) -> None:
     arguments = users_command.users_arguments(Path("/d/mix.yml"), Path("/d/t.model"), 16000, tmp_path / "run",
                                               tmp_path / "cache", master_port=29555)
     assert arguments[1:6] == ["-m", "deepspeed.launcher.runner", "--num_gpus", "1", "--master_port"]
@@ -353,15 +357,15 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
                                              60.0, print, micro_batch=32, skipped=over)
     assert row["status"] == over and row["micro_batch"] == 32
     assert not (tmp_path / "work").exists()
-    script = REPO / "tools/gpu_one_call.sh"
+    script = REPO / "tools/gpu/check_gpu.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
-    # GPU_ONE_CALL_ARCHIVE=1's packing: everything in results.tar.xz, each trace a file of its own
+    # GPU_CHECK_PACK=1's packing: everything in results.tar.xz, each trace a file of its own
     out = tmp_path / "out"
     (out / "sub").mkdir(parents=True)
     names = ["log.txt", "gpu_check.md", "sub/x.txt", "a_profile_steps_21_rank0.trace.json.gz", "b.trace.json.gz"]
     for name in names:
         (out / name).write_text(name)
-    packing = subprocess.run(["bash", str(REPO / "tools/one_call_archive.sh"), str(out)], capture_output=True,
+    packing = subprocess.run(["bash", str(REPO / "tools/gpu/pack_results.sh"), str(out)], capture_output=True,
                              text=True)
     assert packing.returncode == 0, packing.stderr
     assert sorted(path.name for path in out.iterdir()) == ["a_profile_steps_21_rank0.trace.json.gz",
@@ -369,49 +373,100 @@ def test_users_command_line_and_one_call_script(tmp_path: Path) -> None:
     with tarfile.open(out / "results.tar.xz") as archive:
         assert sorted(archive.getnames()) == ["gpu_check.md", "log.txt", "sub", "sub/x.txt"]
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
-    assert usage.returncode == 2 and usage.stderr.startswith("usage: bash tools/gpu_one_call.sh WHEELS_DIR BUNDLE OUT")
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: bash tools/gpu/check_gpu.sh WHEELS_DIR BUNDLE OUT")
 
 
-def test_the_prepared_gpu_calls_still_parse(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """docs/gpu_runs/next/'s calls are run as they are by the next session lent a GPU (15 minutes, no room for a
-    typo): each is valid bash, call A's gpu_check arguments parse (a renamed flag or value fails here, not on the
-    node), and call B's users' variants, its gpu_check arguments, its speedrun probe arguments and its profile_step
-    arguments exist."""
-    calls = sorted((REPO / "docs/gpu_runs/next").glob("call_*.sh"))
-    assert [call.name for call in calls] == ["call_a.sh", "call_b.sh"]
-    for call in calls:
-        assert subprocess.run(["bash", "-n", str(call)], capture_output=True).returncode == 0, call
-    call_a = calls[0].read_text().replace("\\\n", " ")
-    (line,) = [line for line in call_a.splitlines() if "tools/gpu_one_call.sh" in line and not line.startswith("#")]
-    check_arguments = shlex.split(line.split('"$OUT"', 1)[1])
-    assert "--users-micro-batch" in check_arguments
+def _config_keys(section: type, prefix: str = "") -> set[str]:
+    """Every dotted key of a config dataclass (sections and leaves), as --set names them."""
+    keys: set[str] = set()
+    hints = typing.get_type_hints(section)
+    for name in section.__dataclass_fields__:
+        keys.add(prefix + name)
+        if hasattr(hints[name], "__dataclass_fields__"):
+            keys |= _config_keys(hints[name], f"{prefix}{name}.")
+    return keys
+
+
+def test_the_acceptance_script_sets_only_keys_and_flags_that_exist(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """tools/gpu/acceptance.sh runs as it is on a GPU node, where a typo costs the job: every script of tools/gpu/
+    is valid bash, every config key the acceptance script sets exists, and its gpu_check arguments parse."""
+    for script in sorted((REPO / "tools/gpu").glob("*.sh")):
+        assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0, script
+    text = (REPO / "tools/gpu/acceptance.sh").read_text()
+    config = config_lib.load(REPO / users_command.USERS_CONFIG)
+    known = set()
+    for section in ("model", "train", "data"):
+        known |= _config_keys(type(getattr(config, section)), f"{section}.")
+    keys = set(re.findall(r"\b((?:model|train|data)\.[a-z0-9_.]*[a-z0-9_])=", text))
+    assert {"train.train_iters", "train.save_interval", "train.eval_interval", "model.vocab_size",
+            "train.fp8"} <= keys
+    assert not keys - known, keys - known
+    (line,) = re.findall(r"tools/gpu_check\.py (--quick .*?) >", text.replace("\\\n", " "))
+    arguments = shlex.split(line.replace('"${THROUGHPUT_FLAGS[@]}"', "--smoke").replace('"$MICRO"', "16")
+                            .replace('"$WORK/twin_mb$MICRO"', str(tmp_path)))
+    assert "--twin-loss" in arguments and "--no-board" in arguments
+    arguments.remove("--no-board")
     # every argument parsed and checked; the board-only path then stops at the empty OUT
-    code = load_script("tools/gpu_check.py").main([*check_arguments, "--quick", "--out", str(tmp_path), "--board-only",
-                                                   "--board", str(tmp_path / "board.md")])
+    code = load_script("tools/gpu_check.py").main([*arguments, "--board-only", "--board", str(tmp_path / "b.md")])
     assert code == EXIT_USER_ERROR and "holds no gpu_check.json" in capsys.readouterr().err
-    call_b = calls[1].read_text()
-    users_runs = re.findall(r"^users_run (\d+) ?(\w*)$", call_b, flags=re.M)
-    assert users_runs
-    users_config = config_lib.load(REPO / users_command.USERS_CONFIG)
-    for micro_batch, variant in users_runs:
-        assert int(micro_batch) >= 1 and (not variant or variant in users_command.USERS_VARIANTS), variant
-        if variant:  # its setting applies to the users' config, and names only settings torch's inductor has
-            varied = config_lib.with_overrides(users_config, list(users_command.USERS_VARIANTS[variant]))
-            inductor_settings(varied.train.compile_options)
-    (check_b,) = re.findall(r"python3 tools/gpu_check\.py (.*?) >", call_b.replace("\\\n", " "))
-    check_arguments = [word.replace("/tmp/check_16", str(tmp_path / "b")) for word in shlex.split(check_b)
-                       if word != "--no-board"]
-    code = load_script("tools/gpu_check.py").main([*check_arguments, "--board-only", "--board",
-                                                   str(tmp_path / "board.md")])
-    assert code == EXIT_USER_ERROR and "holds no gpu_check.json" in capsys.readouterr().err
-    (probe,) = re.findall(r"python3 tools/reproduce\.py (.*?) >", call_b.replace("\\\n", " "))
-    arguments = shlex.split(probe.replace("$graphs", "true"))
-    load_script("tools/reproduce.py").parse_args(arguments)
-    keys = [value.split("=")[0] for flag, value in zip(arguments, arguments[1:]) if flag == "--set"]
-    assert keys == ["train.cuda_graphs"] and "cuda_graphs" in config_lib.TrainConfig.__dataclass_fields__
-    (profile,) = re.findall(r"python3 tools/profile_step\.py (.*?) >", call_b.replace("\\\n", " "))
-    for what in ("--scheme rope", "--model hf_twin"):  # parsed, then stopped by the missing GPU before any work
-        words = profile.replace("$what", what).replace("$RES", str(tmp_path)).replace("${model}", "m")
-        if not torch.cuda.is_available():
-            assert load_script("tools/profile_step.py").main(shlex.split(words)) == EXIT_USER_ERROR
-            assert "profile_step needs a CUDA device" in capsys.readouterr().err
+
+
+def test_the_twins_loss_compiled_with_it_is_the_same_loss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--twin-loss compiled: the twin and its float32 cross entropy as one module, compiled whole; the same step."""
+    settings = gpu_check_settings.CheckSettings(out=Path("unused"), smoke=True, quick=True,
+                                                twin_losses=gpu_check_settings.parse_twin_losses("eager,compiled"))
+    runs = [run.label for run in gpu_check.throughput_runs(settings)]
+    assert runs[-4:] == ["coca_slack compiled", "rope compiled", "hf_twin compiled",
+                         "hf_twin compiled (loss compiled)"] or runs[-3:] == ["rope compiled", "hf_twin compiled",
+                                                                               "hf_twin compiled (loss compiled)"]
+    config = gpu_check.big_config(settings, "rope", precision="fp32")
+    batch = torch.randint(0, config.model.vocab_size, (2, config.model.seq_length + 1))
+    eager = gpu_check.build_for_throughput(config, True, torch.device("cpu"), False)
+    wrapped = gpu_check.build_for_throughput(config, True, torch.device("cpu"), False, twin_loss="compiled")
+    assert isinstance(wrapped, gpu_check.TwinWithLoss) and not isinstance(eager, gpu_check.TwinWithLoss)
+    logits = eager(batch[:, :-1]).logits
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+    torch.testing.assert_close(wrapped(batch[:, :-1], batch[:, 1:]), expected)
+    calls: list[torch.nn.Module] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: calls.append(self))
+    gpu_check._compile(wrapped, True, "regional")
+    assert calls == [wrapped]  # the wrapper, loss and all, not the twin alone
+    with pytest.raises(ValueError, match="--twin-loss eager,jit: unknown value"):
+        gpu_check_settings.parse_twin_losses("eager,jit")
+
+
+@pytest.mark.slow
+def test_the_acceptance_script_dry_run_writes_every_phase(tmp_path: Path) -> None:
+    """tools/gpu/acceptance.sh --dry-run on a tiny bundle, on CPU: the default phase's runs killed after a save,
+    resumed and compared (exactly equal in fp32 on a CPU), converted; the paper vocabulary's runs and throughput
+    rows; the speedrun pair; the FP8 runs (stopped where FP8 needs CUDA); all packed into results.tar.xz."""
+    from test_data_bundle import make_tiny_bundle
+
+    bundle = make_tiny_bundle(tmp_path)
+    out = tmp_path / "out"
+    env = {**os.environ, "GPU_ACCEPTANCE_WORK": str(tmp_path / "work"), "GPU_ACCEPTANCE_BUDGET": "1500"}
+    run = subprocess.run(["bash", str(REPO / "tools/gpu/acceptance.sh"), "--dry-run", "-", str(bundle), str(out)],
+                         capture_output=True, text=True, env=env, timeout=1500)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert sorted(path.name for path in out.iterdir()) == ["results.tar.xz"]  # no trace in a dry run
+    unpacked = tmp_path / "unpacked"
+    with tarfile.open(out / "results.tar.xz") as archive:
+        archive.extractall(unpacked, filter="data")
+    phases = (unpacked / "phases.txt").read_text().splitlines()
+    assert [line.split(" in ")[0] for line in phases] == ["default exit 0", "vocab exit 0", "speedrun exit 0",
+                                                         "fp8 exit 0"], phases
+    resume = json.loads((unpacked / "e2e_resume.json").read_text())
+    assert resume["resumed_from"] >= 4 and resume["after_the_resume"]["steps"][-1] == 12
+    assert resume["after_the_resume"]["max_abs_diff"] == 0 and resume["before_the_kill"]["max_abs_diff"] == 0
+    assert "SIGKILL once step 4's checkpoint was complete" in (unpacked / "log.txt").read_text()
+    assert "(--to hf, fp32, scheme coca slack)" in (unpacked / "e2e_convert.txt").read_text()
+    assert "skipped" in (unpacked / "gpu_tests.txt").read_text()
+    vocab = json.loads((unpacked / "vocab_summary.json").read_text())
+    assert [row["run"] for row in vocab["runs"]] == ["vocab_mb16", "vocab_mb32"]
+    assert all(row["exit_code"] == "0" and row["tokens_per_sec"] > 0 for row in vocab["runs"])
+    assert {row["row"] for row in vocab["throughput"]} == {"rope", "hf_twin (loss eager)", "hf_twin (loss compiled)"}
+    assert (unpacked / "speedrun/tables.md").is_file() and (unpacked / "speedrun/rope_metrics.jsonl").is_file()
+    fp8 = json.loads((unpacked / "fp8_summary.json").read_text())
+    assert [row["run"] for row in fp8["runs"]] == ["fp8_none", "fp8_lm_head", "fp8_mlp", "fp8_all"]
+    assert fp8["runs"][0]["exit_code"] == "0" and fp8["runs"][0]["tokens_per_sec"] > 0

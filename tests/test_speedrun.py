@@ -1,6 +1,6 @@
 """tools/reproduce.py --profile gpu-speedrun: the probe's step count, a dry run of every phase from a real
-(tiny) data bundle on a node without wandb, datasets, zstandard or matplotlib, a run split into calls
-with --only, and a SIGTERM (a scheduler's, ``timeout``'s) reaching train.py through the reproduction."""
+(tiny) data bundle on a node without wandb, datasets, zstandard or matplotlib, a run split into two
+invocations with --only, and a SIGTERM (a scheduler's, ``timeout``'s) reaching train.py through the reproduction."""
 
 from __future__ import annotations
 
@@ -114,7 +114,7 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_dry_run_of_every_phase_from_a_bundle_on_a_bare_node(tiny_bundle: Path, tmp_path: Path) -> None:
-    """Two calls (--only data,probe,train; then eval,report), as a run split under a time limit would be,
+    """Two invocations (--only data,probe,train; then eval,report), as a run split under a time limit would be,
     in processes where wandb, datasets, zstandard and matplotlib cannot be imported."""
     blocker = tmp_path / "bare_node"
     blocker.mkdir()
@@ -195,12 +195,12 @@ def test_a_corrupted_bundle_stops_the_run_in_one_line(tiny_bundle: Path, tmp_pat
     assert capsys.readouterr().err == "error: --bundle-sha256 '12ab': expected a sha256, 64 hexadecimal digits\n"
 
 
-def test_one_call_script_parses_and_names_its_arguments() -> None:
-    script = REPO / "tools/speedrun_one_call.sh"
+def test_the_pair_script_parses_and_names_its_arguments() -> None:
+    script = REPO / "tools/gpu/speedrun_pair.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2
-    assert usage.stderr.startswith("usage: bash tools/speedrun_one_call.sh WHEELS_DIR BUNDLE OUT")
+    assert usage.stderr.startswith("usage: bash tools/gpu/speedrun_pair.sh WHEELS_DIR BUNDLE OUT")
     missing = subprocess.run(["bash", str(script), "-", "/nonexistent.tar.xz", "/tmp/x"], capture_output=True,
                              text=True)
     assert missing.returncode == 2 and missing.stderr.strip() == "error: BUNDLE /nonexistent.tar.xz: no such file"

@@ -7,9 +7,10 @@
     export PYTHONPATH=/tmp/site:$PWD
 
 A bare node is assumed to hold Python, torch >= 2.11, numpy, pyyaml, sentencepiece, safetensors,
-transformers, pyarrow and tqdm (docs/reproduction.md). What train.py needs beyond that is DeepSpeed (a
-pure-Python wheel built here with ``pip wheel --no-deps``) with its own requirements, and opt_einsum;
-wandb, datasets, zstandard and matplotlib are imported only by the features that use them. Binary
+transformers, pyarrow and tqdm (docs/gpu_check.md). What train.py needs beyond that is DeepSpeed (a
+pure-Python wheel built here with ``pip wheel --no-deps``) with its own requirements, opt_einsum, and torchao
+(train.fp8's float8 training, the ``fp8`` extra); wandb, datasets, zstandard and matplotlib are imported only
+by the features that use them. Binary
 wheels are fetched for the node's Python and platform (``--python-version``, manylinux x86-64), so this
 runs on any machine that reaches a package index. Prints every wheel and the total size.
 """
@@ -25,9 +26,10 @@ from pathlib import Path
 from megatron_lite.cli import cli_main, run_cli
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# DeepSpeed's requirements a bare node lacks (numpy, packaging, torch, tqdm are there), and opt_einsum (the model).
+# DeepSpeed's requirements a bare node lacks (numpy, packaging, torch, tqdm are there), opt_einsum (the model) and
+# torchao (train.fp8; pinned in constraints.txt to the version tested with the pinned torch).
 BARE_NODE_PACKAGES = ("deepspeed", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "hjson",
-                      "py-cpuinfo", "ninja", "msgpack", "psutil", "einops", "opt-einsum")
+                      "py-cpuinfo", "ninja", "msgpack", "psutil", "einops", "opt-einsum", "torchao")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux_2_12_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "manylinux_2_5_x86_64")
 

@@ -6,17 +6,17 @@ training step; rows in OUT/gpu_check.json and OUT/gpu_check.md.
 
     python tools/gpu_check.py --out OUT [--only env,parity,...] [--force] [--smoke] [--board PATH | --repo-board | --no-board]
     python tools/gpu_check.py --quick --out OUT [--schemes rope,coca_slack] [--micro-batch 64]
-        [--compile-mode regional[,whole]] [--loss-gemm mixed,input_dtype]
+        [--compile-mode regional[,whole]] [--loss-gemm mixed,input_dtype] [--twin-loss eager,compiled]
         [--mix MIX --tokenizer TOKENIZER --vocab-size N]
 
 --quick: at most ~6 minutes on an H100 (sections env, parity, memory, throughput, users_command, sync; rope
 and coca_slack; one micro batch, no search). --mix/--tokenizer/--vocab-size give the users_command section its
-data (tools/gpu_one_call.sh passes a bundle's); without them that section is a skipped row.
+data (tools/gpu/check_gpu.sh passes a bundle's); without them that section is a skipped row.
 Each section's rows are written as it finishes; a re-run skips finished sections unless --force.
 --smoke runs the sections on the tiny config on the CPU in seconds (to check the tool itself).
-A finished call appends one row to the results board OUT/results_board.md (megatron_lite/results_board.py;
+A finished check appends one row to the results board OUT/results_board.md (megatron_lite/results_board.py;
 --board PATH elsewhere, --repo-board the repository's docs/results.md, --no-board none);
---board-only appends the row for what OUT already holds and measures nothing (a call cut short by a timeout).
+--board-only appends the row for what OUT already holds and measures nothing (a check cut short by a timeout).
 The logic lives in megatron_lite/bench/gpu_check.py.
 """
 
@@ -30,9 +30,9 @@ from typing import Any
 from megatron_lite import results_board
 from megatron_lite.bench.gpu_check import load_results, run_check
 from megatron_lite.bench.gpu_check_settings import (BENCH_COMPILE_MODES, LOSS_GEMMS, QUICK_SECTIONS, SDPA_KERNELS,
-                                                    SECTIONS, CheckSettings, parse_compile_modes, parse_loss_gemms,
-                                                    parse_micro_batches, parse_schemes, parse_sdpa_kernels,
-                                                    parse_sections)
+                                                    SECTIONS, TWIN_LOSSES, CheckSettings, parse_compile_modes,
+                                                    parse_loss_gemms, parse_micro_batches, parse_schemes,
+                                                    parse_sdpa_kernels, parse_sections, parse_twin_losses)
 from megatron_lite.cli import cli_main, run_cli
 
 
@@ -79,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sdpa-kernel", default="auto", metavar="KERNEL,...",
                         help=f"torch's SDPA kernel ({', '.join(SDPA_KERNELS)}; auto: torch's own choice, named in "
                              "env): the first for every throughput row, each further one an extra compiled rope row")
+    parser.add_argument("--twin-loss", default="eager", metavar="WHERE,...",
+                        help=f"where the Hugging Face twin's cross entropy runs when it is compiled "
+                             f"({', '.join(TWIN_LOSSES)}: outside its compiled model, or compiled with it): the "
+                             "first for the twin's compiled row, each further one an extra compiled twin row")
     parser.add_argument("--mix", type=Path, default=None, help="users_command: the data mix file")
     parser.add_argument("--tokenizer", type=Path, default=None, help="users_command: the mix's tokenizer model")
     parser.add_argument("--vocab-size", type=int, default=None, help="users_command: model.vocab_size for it")
@@ -108,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                              extra_compile_modes=compile_modes[1:],
                              loss_gemms=parse_loss_gemms(args.loss_gemm),
                              sdpa_kernels=parse_sdpa_kernels(args.sdpa_kernel),
+                             twin_losses=parse_twin_losses(args.twin_loss),
                              mix=args.mix.resolve() if args.mix else None,
                              tokenizer=args.tokenizer.resolve() if args.tokenizer else None, vocab_size=args.vocab_size,
                              users_micro_batches=parse_micro_batches(args.users_micro_batch),

@@ -196,15 +196,31 @@ def hf_twin(config: Config) -> torch.nn.Module:
     return hf_gpt_neox(config)
 
 
+class TwinWithLoss(torch.nn.Module):
+    """The Hugging Face twin and its loss as one module (the bf16 logits into a float32 cross entropy), so that
+    compiling it puts the loss inside the twin's compiled region (``--twin-loss compiled``)."""
+
+    def __init__(self, twin: torch.nn.Module) -> None:
+        super().__init__()
+        self.twin = twin
+
+    def forward(self, inputs_BT: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+        logits_BTV = self.twin(inputs_BT).logits
+        return F.cross_entropy(logits_BTV.reshape(-1, logits_BTV.shape[-1]).float(), labels_BT.reshape(-1))
+
+
 def throughput_step(model: torch.nn.Module, is_hf: bool, batch: torch.Tensor) -> Callable[[], None]:
-    """One timed training step: ours through its fused loss, the twin's bf16 logits into a float32 cross entropy;
-    AdamW (torch's default implementation for the device). ``tools/profile_step.py`` profiles the same step."""
+    """One timed training step: ours through its fused loss, the twin's bf16 logits into a float32 cross entropy
+    (outside its compiled model, or inside with it: a TwinWithLoss); AdamW (torch's default implementation for the
+    device). ``tools/profile_step.py`` profiles the same step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
     inputs, labels = batch[:, :-1], batch[:, 1:]
 
     def step() -> None:
         torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA graphs' output buffers; else nothing
-        if is_hf:
+        if isinstance(model, TwinWithLoss):
+            loss = model(inputs, labels)
+        elif is_hf:
             logits = model(inputs).logits
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
         else:
@@ -266,11 +282,16 @@ def _compile(model: torch.nn.Module, is_hf: bool, mode: str) -> None:
 
 
 def build_for_throughput(config: Config, is_hf: bool, device: torch.device, compiled: bool,
-                         compile_mode: str = "regional", loss_gemm: str | None = None) -> torch.nn.Module:
+                         compile_mode: str = "regional", loss_gemm: str | None = None,
+                         twin_loss: str = "eager") -> torch.nn.Module:
+    """Ours or the twin, in the config's precision, compiled if asked; the twin with ``twin_loss`` "compiled" as
+    a TwinWithLoss (its loss then compiled with it)."""
     torch.manual_seed(config.seed)
     with device:
         model = hf_twin(config) if is_hf else GPT(config.model)
     model = model.to(dtype=torch.bfloat16 if config.precision == "bf16" else torch.float32).train()
+    if is_hf and twin_loss == "compiled":
+        model = TwinWithLoss(model)
     if loss_gemm is not None and not is_hf:
         set_loss_gemm(model, loss_gemm)
     if compiled:
@@ -279,10 +300,11 @@ def build_for_throughput(config: Config, is_hf: bool, device: torch.device, comp
 
 
 def _measure(config: Config, is_hf: bool, device: torch.device, compiled: bool, batch_size: int, warmup: int,
-             steps: int, compile_mode: str = "regional", loss_gemm: str | None = None) -> StepTiming:
+             steps: int, compile_mode: str = "regional", loss_gemm: str | None = None,
+             twin_loss: str = "eager") -> StepTiming:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model = build_for_throughput(config, is_hf, device, compiled, compile_mode, loss_gemm)
+    model = build_for_throughput(config, is_hf, device, compiled, compile_mode, loss_gemm, twin_loss)
     batch = torch.randint(0, config.model.vocab_size, (batch_size, config.model.seq_length + 1), device=device)
     try:
         timing = _time_steps(throughput_step(model, is_hf, batch), device, warmup, steps)
@@ -324,6 +346,8 @@ class ThroughputRun:
     compile_mode: str | None = None  # ours compiled: megatron_lite.model.compile's mode (None: the check's first)
     sdpa_kernel: str | None = None  # torch's SDPA kernel pinned for the row (None: the check's first)
     extra_loss_gemm: bool = False  # a row for a further --loss-gemm (its label names it)
+    twin_loss: str | None = None  # the HF twin compiled: where its loss runs (--twin-loss); else None
+    extra_twin_loss: bool = False  # a row for a further --twin-loss (its label names it)
 
     @property
     def is_hf(self) -> bool:
@@ -336,16 +360,17 @@ class ThroughputRun:
     @property
     def label(self) -> str:
         """For progress lines: model, mode and what an extra row varies (loss GEMM, compile mode, SDPA kernel)."""
-        extras = [extra for extra in (self.extra_loss_gemm and f"loss {self.loss_gemm}", self.compile_mode,
+        extras = [extra for extra in (self.extra_loss_gemm and f"loss {self.loss_gemm}",
+                                      self.extra_twin_loss and f"loss {self.twin_loss}", self.compile_mode,
                                       self.sdpa_kernel and f"sdpa {self.sdpa_kernel}") if extra]
         return f"{self.model} {self.mode}" + (f" ({', '.join(extras)})" if extras else "")
 
 
 def throughput_runs(settings: CheckSettings) -> list[ThroughputRun]:
     """Eager rows first (every scheme, the extra loss-GEMM rows, the HF twin), then compiled ones (the paper's
-    schemes first, then the HF twin, then rope in each extra compile mode, with each extra SDPA kernel, with each
-    extra loss GEMM): a section budget cuts the most expensive rows, and the extra ones before the twin they are
-    measured against."""
+    schemes first, then the HF twin, the twin with each extra --twin-loss, then rope in each extra compile mode,
+    with each extra SDPA kernel, with each extra loss GEMM): a section budget cuts the most expensive rows, and the
+    extra ones before the twin they are measured against."""
     schemes = list(settings.schemes or ())
     gemm, *extra_gemms = settings.loss_gemms
     timed_scheme = "rope" if "rope" in schemes else schemes[0]
@@ -353,7 +378,9 @@ def throughput_runs(settings: CheckSettings) -> list[ThroughputRun]:
     runs += [ThroughputRun(timed_scheme, False, extra, extra_loss_gemm=True) for extra in extra_gemms]
     runs.append(ThroughputRun(HF_TWIN, False, None))
     runs += [ThroughputRun(label, True, gemm) for label in COMPILE_ORDER if label in schemes]
-    runs.append(ThroughputRun(HF_TWIN, True, None))
+    twin_loss, *extra_twin_losses = settings.twin_losses
+    runs.append(ThroughputRun(HF_TWIN, True, None, twin_loss=twin_loss))
+    runs += [ThroughputRun(HF_TWIN, True, None, twin_loss=extra, extra_twin_loss=True) for extra in extra_twin_losses]
     runs += [ThroughputRun(timed_scheme, True, gemm, mode) for mode in settings.extra_compile_modes]
     runs += [ThroughputRun(timed_scheme, True, gemm, sdpa_kernel=kernel) for kernel in settings.sdpa_kernels[1:]]
     runs += [ThroughputRun(timed_scheme, True, extra, extra_loss_gemm=True) for extra in extra_gemms]
@@ -410,6 +437,8 @@ def section_throughput(settings: CheckSettings, progress: Progress) -> list[dict
         compile_mode = run.compile_mode or settings.compile_mode
         if run.compiled:
             row["compile"] = "model.compile()" if run.is_hf else compile_mode
+        if run.twin_loss is not None:
+            row["twin_loss"] = run.twin_loss
         try:
             skipped = _over_budget(settings, "throughput", start)
             if skipped is None and run.compiled and smoke:
@@ -438,7 +467,7 @@ def section_throughput(settings: CheckSettings, progress: Progress) -> list[dict
                 try:
                     with sdpa_kernel_context(kernel):
                         timing = _measure(config, run.is_hf, device, run.compiled, batch_size, warmup, steps,
-                                          compile_mode, run.loss_gemm)
+                                          compile_mode, run.loss_gemm, run.twin_loss or "eager")
                 except RuntimeError as error:
                     if not _is_oom(error) or batch_size == 1:
                         raise

@@ -22,6 +22,9 @@ BENCH_COMPILE_MODES: tuple[str, ...] = (*COMPILE_MODES, *(mode + suffix for suff
                                                                                        MAX_AUTOTUNE_SUFFIX,
                                                                                        FEWER_LAUNCHES_SUFFIX)
                                                           for mode in COMPILE_MODES))
+# where the Hugging Face twin's cross entropy runs: outside its compiled model (eager, over the float32 logits it
+# returns) or inside one compiled region with it (compiled: the wrapper of TwinWithLoss compiled whole)
+TWIN_LOSSES = ("eager", "compiled")
 # torch's SDPA kernels a throughput row can pin (torch.nn.attention.sdpa_kernel); auto: torch's own choice
 SDPA_KERNELS = ("auto", "cudnn", "flash", "efficient")
 
@@ -54,6 +57,8 @@ class CheckSettings:
     # further one adds a rope eager throughput row and a compiled one
     sdpa_kernels: list[str] = field(default_factory=lambda: ["auto"])  # the first for every throughput row; each
     # further one adds a compiled rope row, last
+    twin_losses: list[str] = field(default_factory=lambda: ["eager"])  # the first for the twin's compiled row; each
+    # further one adds a compiled twin row after it (the eager twin row's loss is eager, as its model)
     section_budget_s: float | None = None  # None: FULL_BUDGET_S (quick: QUICK_BUDGET_S per section)
     mix: Path | None = None  # users_command's data: a mix file, its tokenizer and vocabulary
     tokenizer: Path | None = None
@@ -77,6 +82,7 @@ class CheckSettings:
             raise ValueError(f"--micro-batch {self.micro_batch}: must be >= 1")
         _check_choices("--loss-gemm", self.loss_gemms, LOSS_GEMMS)
         _check_choices("--sdpa-kernel", self.sdpa_kernels, SDPA_KERNELS)
+        _check_choices("--twin-loss", self.twin_losses, TWIN_LOSSES)
         given = [self.mix is not None, self.tokenizer is not None, self.vocab_size is not None]
         if any(given) and not all(given):
             raise ValueError("--mix, --tokenizer and --vocab-size go together (users_command's data)")
@@ -107,6 +113,7 @@ class CheckSettings:
                 "micro_batch": self.micro_batch, "compile_mode": self.compile_mode,
                 "extra_compile_modes": list(self.extra_compile_modes),
                 "loss_gemms": list(self.loss_gemms), "sdpa_kernels": list(self.sdpa_kernels),
+                "twin_losses": list(self.twin_losses),
                 "users_micro_batches": self.users_micro_batches,
                 "users_no_cuda_graphs": list(self.users_no_cuda_graphs),
                 "users_cpp_wrapper": list(self.users_cpp_wrapper)}
@@ -161,6 +168,11 @@ def parse_schemes(text: str | None) -> list[str] | None:
 def parse_loss_gemms(text: str) -> list[str]:
     """--loss-gemm a,b as model.lm_head.gemm values; an unknown one is one error line naming it."""
     return _comma_list("--loss-gemm", text, LOSS_GEMMS, "value(s)")
+
+
+def parse_twin_losses(text: str) -> list[str]:
+    """--twin-loss eager,compiled as where the twin's loss runs; an unknown value is one error line naming it."""
+    return _comma_list("--twin-loss", text, TWIN_LOSSES, "value(s)")
 
 
 def parse_sdpa_kernels(text: str) -> list[str]:

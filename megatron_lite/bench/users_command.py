@@ -51,7 +51,7 @@ USERS_VARIANTS: dict[str, tuple[str, ...]] = {
     # train.cuda_graphs is on by default for this config on a GPU (Run 4): the run without them, for comparison
     "no_cuda_graphs": ("train.cuda_graphs=false",), "cpp_wrapper": ("train.compile_cpp_wrapper=true",),
     # the LayerNorms' weight and bias gradients summed in Triton kernels instead of 4 ATen sums per block and micro
-    # batch (docs/gpu.md)
+    # batch (docs/performance.md)
     "no_mix_order": ("train.compile_options.triton.mix_order_reduction=false",),
     "fewer_launches": (FEWER_LAUNCHES,), "blocks_of_4": (BLOCKS_OF_4,),
     # both: the host's two levers that ask nothing of the user's machine (no C++ build, no graph pool)
@@ -246,7 +246,7 @@ def run_users_command(mix: Path | None, tokenizer: Path | None, vocab_size: int 
         row["status"] = skipped or "skipped: no CUDA"
         return [row]
     if mix is None or tokenizer is None or vocab_size is None:
-        row["status"] = "skipped: no --mix/--tokenizer/--vocab-size (a bundle's shards: gpu_one_call.sh)"
+        row["status"] = "skipped: no --mix/--tokenizer/--vocab-size (a bundle's shards: tools/gpu/check_gpu.sh)"
         return [row]
     from megatron_lite.training.distributed import free_port
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One whole GPU check on a bare, offline node, within one job of at most 10 minutes (docs/gpu.md).
+# The quick GPU check on a bare, offline node, from wheels and a data bundle, in at most ~10 minutes
+# (docs/gpu_check.md).
 #
-#   bash tools/gpu_one_call.sh WHEELS_DIR BUNDLE OUT [extra tools/gpu_check.py arguments]
+#   bash tools/gpu/check_gpu.sh WHEELS_DIR BUNDLE OUT [extra tools/gpu_check.py arguments]
 #
 # WHEELS_DIR  the wheels of tools/fetch_wheels.py (installed into /tmp/site); '-' installs nothing
 # BUNDLE      a data bundle of tools/build_data_bundle.py (BUNDLE.sha256 beside it): the users' command's data
@@ -12,31 +13,31 @@
 # Phases, each under its own timeout so that a cut run keeps what the earlier ones measured:
 #   P0  wheels, versions, the bundle checked against its sha256 and unpacked (megatron_lite.bench.users_command),
 #       then the GPU tests of tests/test_cuda_path.py (no host sync, bf16 rotation, CUDA graphs in the training
-#       loop) into OUT/gpu_tests.txt, under GPU_ONE_CALL_TESTS_S seconds (default 120; 0 skips them)
+#       loop) into OUT/gpu_tests.txt, under GPU_CHECK_TESTS_S seconds (default 120; 0 skips them)
 #   P1  tools/gpu_check.py --quick (env, parity, memory, throughput, users_command, sync) with the users'
 #       command on the bundle's shards; the extra arguments go to it (e.g. --schemes rope,coca_slack,coca_strict)
 #   P2  the results board row in OUT/results_board.md, also for a check that P1's timeout cut short
-# Environment: PYTHON (python3), GPU_ONE_CALL_WORK (/tmp/gpu_one_call: scratch), GPU_ONE_CALL_SITE (/tmp/site),
-# GPU_ONE_CALL_BUDGET (560: seconds for the whole call; P1 gets what P0 left, less 30 s for P2),
-# GPU_ONE_CALL_ARCHIVE (unset; 1: OUT's files packed at the end into OUT/results.tar.xz, the profiler's traces left
-# beside it one file each, for a job that brings back only a few files: tools/one_call_archive.sh).
+# Environment: PYTHON (python3), GPU_CHECK_WORK (/tmp/gpu_check: scratch), GPU_NODE_SITE (/tmp/site),
+# GPU_CHECK_BUDGET (560: seconds for the whole job; P1 gets what P0 left, less 30 s for P2),
+# GPU_CHECK_PACK (unset; 1: OUT's files packed at the end into OUT/results.tar.xz, the profiler's traces left
+# beside it one file each, for a job that brings back only a few files: tools/gpu/pack_results.sh).
 set -u -o pipefail
 
-USAGE="bash tools/gpu_one_call.sh WHEELS_DIR BUNDLE OUT [extra tools/gpu_check.py arguments]"
-# shellcheck source=tools/one_call_setup.sh
-source "$(dirname "${BASH_SOURCE[0]}")/one_call_setup.sh"
-WORK=${GPU_ONE_CALL_WORK:-/tmp/gpu_one_call}
-BUDGET=${GPU_ONE_CALL_BUDGET:-560}
+USAGE="bash tools/gpu/check_gpu.sh WHEELS_DIR BUNDLE OUT [extra tools/gpu_check.py arguments]"
+# shellcheck source=tools/gpu/setup_offline_node.sh
+source "$(dirname "${BASH_SOURCE[0]}")/setup_offline_node.sh"
+WORK=${GPU_CHECK_WORK:-/tmp/gpu_check}
+BUDGET=${GPU_CHECK_BUDGET:-560}
 echo "[t=$(el)] budget ${BUDGET} s"
 mkdir -p "$WORK"
 
-# P0: wheels, versions (one_call_setup.sh), data
+# P0: wheels, versions (setup_offline_node.sh), data
 DATA_ARGS=$(timeout 180 "$PY" -m megatron_lite.bench.users_command "$BUNDLE" "$WORK/data")
 if [ $? -ne 0 ] || [ -z "$DATA_ARGS" ]; then
   echo "[t=$(el)] the bundle did not unpack: the users_command section will be a skipped row"
   DATA_ARGS=""
 fi
-TESTS_S=${GPU_ONE_CALL_TESTS_S:-120}
+TESTS_S=${GPU_CHECK_TESTS_S:-120}
 if [ "$TESTS_S" -gt 0 ]; then
   timeout -k 10 "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_path.py \
     > "$OUT/gpu_tests.txt" 2>&1
@@ -50,7 +51,7 @@ if [ "$CHECK_S" -lt 60 ]; then
   echo "error: only ${CHECK_S} s left of the ${BUDGET} s budget for the check"; exit 1
 fi
 BOARD="$OUT/results_board.md"
-rm -f "$WORK/check/gpu_check.json" "$WORK/check/gpu_check.md"  # nothing of an earlier call reaches the board
+rm -f "$WORK/check/gpu_check.json" "$WORK/check/gpu_check.md"  # nothing of an earlier check reaches the board
 # shellcheck disable=SC2086  # DATA_ARGS: --mix PATH --tokenizer PATH --vocab-size N, paths under $WORK
 timeout -k 30 "$CHECK_S" "$PY" tools/gpu_check.py --quick --force --out "$WORK/check" --board "$BOARD" \
   $DATA_ARGS "$@"
@@ -79,8 +80,8 @@ if [ "$CHECK_RC" -ne 0 ] && [ -f "$WORK/check/gpu_check.json" ]; then
   timeout 60 "$PY" tools/gpu_check.py --quick --board-only --out "$WORK/check" --board "$BOARD" $DATA_ARGS "$@"
 fi
 echo "[t=$(el)] end: $OUT"
-if [ "${GPU_ONE_CALL_ARCHIVE:-}" = 1 ]; then
+if [ "${GPU_CHECK_PACK:-}" = 1 ]; then
   exec >/dev/null 2>&1 && sleep 1  # the tee has then written the last of log.txt before it is packed
-  bash "$REPO/tools/one_call_archive.sh" "$OUT"
+  bash "$REPO/tools/gpu/pack_results.sh" "$OUT"
 fi
 exit "$CHECK_RC"

@@ -1,16 +1,16 @@
-# Sourced by tools/gpu_one_call.sh and tools/speedrun_one_call.sh (not run by itself): the common start of a
-# one-call job on a bare, offline node. Reads the caller's positional arguments WHEELS_DIR BUNDLE OUT and shifts
-# them off, leaving the extra arguments; sets REPO, PY, SITE, WHEELS, BUNDLE, OUT, T0 and el() (seconds since
-# the start); tees everything printed into OUT/log.txt; installs the wheels into SITE ('-': nothing) and exports
-# the offline environment; prints the GPU and the package versions. The caller sets USAGE first.
-# Environment: PYTHON (python3), GPU_ONE_CALL_SITE (/tmp/site).
+# Sourced by the scripts of tools/gpu/ (not run by itself): the common start of a GPU job on a bare, offline node.
+# Reads the caller's positional arguments WHEELS_DIR BUNDLE OUT and shifts them off, leaving the extra arguments;
+# sets REPO, PY, SITE, WHEELS, BUNDLE, OUT, T0 and el() (seconds since the start); tees everything printed into
+# OUT/log.txt; installs the wheels into SITE ('-': nothing) and exports the offline environment; prints the GPU and
+# the package versions (torchao's too, where installed: train.fp8). The caller sets USAGE first.
+# Environment: PYTHON (python3), GPU_NODE_SITE (/tmp/site: where the wheels are installed).
 if [ $# -lt 3 ]; then
   echo "usage: $USAGE" >&2
   exit 2
 fi
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 PY=${PYTHON:-python3}
-SITE=${GPU_ONE_CALL_SITE:-/tmp/site}
+SITE=${GPU_NODE_SITE:-/tmp/site}
 WHEELS=$1
 if [ "$WHEELS" != "-" ]; then
   WHEELS=$(cd "$WHEELS" 2>/dev/null && pwd) || { echo "error: WHEELS_DIR $1: no such directory" >&2; exit 2; }
@@ -40,6 +40,12 @@ else
 fi
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-timeout 120 "$PY" -c "import sys, torch, deepspeed, transformers; print('python', sys.version.split()[0], \
-'torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed', deepspeed.__version__, \
-'transformers', transformers.__version__)" || { echo "error: the Python packages do not import"; exit 1; }
+timeout 120 "$PY" -c "import importlib.metadata as m, sys, torch, deepspeed, transformers
+def version(name):
+    try:
+        return m.version(name)
+    except m.PackageNotFoundError:
+        return 'missing'
+print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'deepspeed',
+      deepspeed.__version__, 'transformers', transformers.__version__, 'torchao', version('torchao'))" \
+  || { echo "error: the Python packages do not import"; exit 1; }
