@@ -3,6 +3,7 @@ universal conversion's staging folder, a truncated data shard, a garbage cached 
 
 from __future__ import annotations
 
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -122,3 +123,26 @@ def test_a_garbage_cached_tokenizer_is_retrained_and_a_garbage_given_one_is_name
     assert str(error.value) == (f"data.tokenizer.model='{given}': tokenizer model {given}: not a SentencePiece model "
                                 f"(INTERNAL: could not parse ModelProto from {given}); fix or replace that file")
     assert given.read_bytes() == b"\x00garbage" * 64 and not model.exists()
+
+
+def test_a_conversion_removes_the_staging_folders_of_killed_conversions_to_the_same_output(tmp_path: Path) -> None:
+    """``.OUT.partial-PID`` of a process gone: removed (one notice each); of a live one (a conversion running now,
+    here this test's parent): kept; another output's: not looked at."""
+    import subprocess
+
+    from megatron_lite.convert.conversion import staged_output
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    output, source = tmp_path / "hf", tmp_path / "step"
+    source.mkdir()
+    dead, live, other = (tmp_path / f".hf.partial-{gone.pid}", tmp_path / f".hf.partial-{os.getppid()}",
+                         tmp_path / f".other.partial-{gone.pid}")
+    for folder in (dead, live, other):
+        (folder / "model").mkdir(parents=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with staged_output(output, False, source) as staging:
+            (staging / "config.json").write_text("{}")
+    assert (output / "config.json").is_file() and not dead.exists() and live.is_dir() and other.is_dir()
+    assert _notices(caught) == [f"{dead}: removed, the staging folder of a conversion to {output} that did not finish"]

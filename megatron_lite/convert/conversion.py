@@ -27,7 +27,9 @@ import torch
 
 from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
+from megatron_lite.checkpoint_integrity import is_staging_dir
 from megatron_lite.config import Config
+from megatron_lite.console import notice
 from megatron_lite.convert.hf_config import uses_stock_model
 from megatron_lite.convert.hf_export import write_hf_metadata
 from megatron_lite.convert.hf_import import import_hf
@@ -88,6 +90,27 @@ def rope_to_coca(config: Config, constraint: str) -> Config:
     return config_lib.from_dict(data)
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def _remove_dead_stagings(output: Path) -> None:
+    """Staging folders beside ``output`` (``.<name>.partial-<pid>``) that conversions killed before their rename
+    left (a kill skips their clean-up) and whose process on this host is gone: removed, with a notice each."""
+    for stale in sorted(output.parent.glob(f".{output.name}.partial-*")):
+        pid = stale.name.rsplit("-", 1)[1]
+        if is_staging_dir(stale.name) and stale.is_dir() and not _pid_alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+            if not stale.exists():
+                notice(f"{stale}: removed, the staging folder of a conversion to {output} that did not finish")
+
+
 @contextlib.contextmanager
 def staged_output(output: Path, force: bool, source: Path) -> Iterator[Path]:
     """Yield an empty staging dir that becomes ``output`` on success; refuse a non-empty output without force."""
@@ -98,6 +121,7 @@ def staged_output(output: Path, force: bool, source: Path) -> Iterator[Path]:
         raise ValueError(f"OUTPUT {output} is not empty; pass --force to replace its contents")
     if source == output or output in source.parents:
         raise ValueError(f"OUTPUT {output} contains INPUT {source}; choose another OUTPUT")
+    _remove_dead_stagings(output)
     staging = output.parent / f".{output.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
