@@ -60,7 +60,7 @@ def test_a_resume_removes_the_staging_folder_of_a_killed_conversion_but_not_a_ru
 
 @pytest.fixture
 def cache_copy(training_corpus, tmp_path: Path) -> tuple[config_lib.Config, Path]:
-    """(config, its data cache): a copy of the session's tokenised corpus."""
+    """(config, its data cache): a copy of the tokenised corpus the tests share."""
     from training_helpers import tiny_train_config
 
     mix, cache = training_corpus
