@@ -14,7 +14,7 @@
   shows through DeepSpeed's hostfile parser;
 * the SLURM batch script (tools/slurm/train.sbatch): bash syntax, one task per node, and the deepspeed
   command each node's task runs (expanded as that task's shell would) through DeepSpeed's parser, like
-  the guide's `sbatch` commands. tests/test_multinode.py runs it.
+  the guide's `sbatch` commands. tests/test_slurm_requeue.py runs it.
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 
 Each launcher is the real `deepspeed --no_ssh --node_rank R` (gloo on CPU, one rank each) reading a
 two-line hostfile; together they train one 2-rank run that must equal the 2-rank run of one launcher
-(`deepspeed --num_gpus 2`) step for step. The SLURM batch script
-(tools/slurm/train.sbatch) runs the same way, with stand-ins for the two SLURM commands it calls:
-`scontrol show hostnames` (prints the job's comma-separated node list) and `srun` (starts the command once
-per node, all on this machine, with the per-task SLURM_NODEID / SLURM_PROCID, and records its options).
+(`deepspeed --num_gpus 2`) step for step. The SLURM batch script (tools/slurm/train.sbatch) starts its
+launchers the same way; tests/test_slurm_requeue.py runs it, stopped, requeued and resumed.
 """
 
 from __future__ import annotations
@@ -29,26 +27,7 @@ RELATIVE_TOLERANCE = 1e-5
 # Two names for this machine: DeepSpeed refuses a hostfile naming one host twice, and with --no_ssh the
 # names are only labels (each launcher takes the line of its --node_rank; only --master_addr is dialled).
 HOSTFILE = "localhost slots=1\n127.0.0.1 slots=1\n"
-SLURM_SCRIPT = REPO / "tools" / "slurm" / "train.sbatch"
 STARTUP = "2 rank(s) on cpu; batch 8 = 4 micro x 1 accumulation (derived) x 2 rank(s)"
-
-SCONTROL = """#!/bin/bash
-[ "$1 $2" = "show hostnames" ] || { echo "scontrol stand-in: only 'show hostnames'" >&2; exit 2; }
-tr , '\\n' <<< "$3"
-"""
-SRUN = """#!/bin/bash
-options=()
-while [[ $1 == -* ]]; do options+=("$1"); shift; done
-printf '%s\\n' "${options[@]}" > "$SRUN_OPTIONS_FILE"
-pids=()
-for ((node = 0; node < SLURM_NNODES; node++)); do
-    SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 "$@" &
-    pids+=($!)
-done
-status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-exit $status
-"""
 
 
 def launcher_env() -> dict[str, str]:
@@ -131,29 +110,3 @@ def test_two_launchers_with_no_ssh_train_like_one_launcher_with_two_ranks(config
     assert f"done: completed at step {STEPS}/{STEPS}" in outputs[0]
     assert_same_training(run_dir, one_launcher)
 
-
-def test_slurm_script_starts_one_launcher_per_node(config: Path, one_launcher: Path, tmp_path: Path) -> None:
-    stand_ins = tmp_path / "bin"
-    stand_ins.mkdir()
-    for name, text in (("scontrol", SCONTROL), ("srun", SRUN)):
-        (stand_ins / name).write_text(text)
-        (stand_ins / name).chmod(0o755)
-    hostfile, run_dir = tmp_path / "slurm" / "hostfile", tmp_path / "run"
-    # the stand-ins first, then this interpreter's scripts (the deepspeed launcher the script calls)
-    path = os.pathsep.join([str(stand_ins), str(Path(sys.executable).parent), os.environ["PATH"]])
-    env = {**launcher_env(), "PATH": path,
-           "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "127.0.0.1,localhost", "SLURM_NNODES": "2",
-           "SLURM_GPUS_PER_NODE": "cpu:1", "SLURM_CPUS_ON_NODE": "2", "MASTER_PORT": str(free_port()),
-           "HOSTFILE": str(hostfile), "SRUN_OPTIONS_FILE": str(tmp_path / "srun_options")}
-    result = subprocess.run(["bash", str(SLURM_SCRIPT), "--config", str(config), "--run-dir", str(run_dir)],
-                            cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-4000:]
-    assert hostfile.read_text() == "127.0.0.1 slots=1\nlocalhost slots=1\n"
-    assert (tmp_path / "srun_options").read_text().split() == [
-        "--ntasks-per-node=1", "--cpus-per-task=2", "--kill-on-bad-exit=1"]
-    assert f"megatron_lite: 2 node(s) x 1 GPU(s), rendezvous 127.0.0.1:{env['MASTER_PORT']}" in output
-    for node_rank in (0, 1):  # each task's own SLURM_NODEID reached its launcher
-        assert f"nnodes=2, num_local_procs=1, node_rank={node_rank}" in output
-    assert STARTUP in output
-    assert_same_training(run_dir, one_launcher)

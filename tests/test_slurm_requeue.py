@@ -12,6 +12,7 @@ Stand-ins on PATH behave like SLURM where it matters:
 Two "nodes" of one rank each train a tiny run; the signal lands mid-run. Every rank saves the step it was on,
 the script requeues the job, and the next allocation resumes there and trains to the end with the losses of an
 uninterrupted run (the same config from one `deepspeed --num_gpus 2`). Every step is in metrics.jsonl once.
+The script's static checks (each node's deepspeed command through DeepSpeed's parser): tests/test_docker.py.
 """
 
 from __future__ import annotations
@@ -215,6 +216,13 @@ def test_signal_saves_on_every_rank_requeues_and_the_next_allocation_resumes(con
     assert max(train_losses(run_dir)) == step  # no step past the signal is lost: the last one trained is saved
     assert f"{run_dir}: stopped by SIGTERM at step {step}" in log  # node_task.sh's wait, on both nodes
     assert (tmp_path / "srun.log").read_text().startswith("--signal: SIGTERM to ")
+    # the job's layout: its hostfile, srun's options, each task's own SLURM_NODEID reaching its launcher
+    assert (tmp_path / "hostfile").read_text() == "127.0.0.1 slots=1\nlocalhost slots=1\n"
+    assert (tmp_path / "srun_options").read_text().split() == [
+        "--ntasks-per-node=1", "--cpus-per-task=2", "--kill-on-bad-exit=1"]
+    for node_rank in (0, 1):
+        assert f"nnodes=2, num_local_procs=1, node_rank={node_rank}" in log
+    assert "2 rank(s) on cpu; batch 8 = 4 micro x 1 accumulation (derived) x 2 rank(s)" in log
     assert "requeueing job 4242" in log
 
     code = allocation(1, signal_after_steps=None)
