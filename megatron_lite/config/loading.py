@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
-import re
 import reprlib
 import types
 import typing
@@ -22,6 +21,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_lite.config.schema import EXPERIMENTAL, TEST_HOOKS, USER_KEYS, Config, MixConfig, ModelConfig
+from megatron_lite.config.provenance import key_sources, missing_file_message, source_of, with_source
 from megatron_lite.config.scaling_spec import parse_scaling
 from megatron_lite.console import notice
 
@@ -568,63 +568,6 @@ def read_yaml_mapping(path: Path, missing: str) -> dict[str, Any]:
     return merged
 
 
-def missing_file_message(path: Path, what: str) -> str:
-    """``{what} {path} does not exist`` (or is a directory), with the nearest YAML file beside it, if any."""
-    if path.is_dir():
-        inside = sorted(file.name for pattern in ("*.yml", "*.yaml") for file in path.glob(pattern))
-        listed = f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})" if inside else ""
-        return f"{what} {path} is a directory, not a YAML file{listed}"
-    siblings = sorted(str(file.name) for pattern in ("*.yml", "*.yaml") for file in path.parent.glob(pattern)) \
-        if path.parent.is_dir() else []
-    close = difflib.get_close_matches(path.name, siblings, n=1, cutoff=0.6)
-    return f"{what} {path} does not exist" + (f"; did you mean {path.parent / close[0]}?" if close else "")
-
-
-_KEY_IN_MESSAGE = re.compile(r"(?<![\w./'\-])((?:%s)(?:\.\w+|\[\d+\])*)" % "|".join(
-    field.name for field in dataclasses.fields(Config)))
-
-
-def _key_sources(chain: list[tuple[Path, dict[str, Any]]], overrides: list[str]) -> dict[str, str]:
-    """Dotted key -> where its value came from: the file of the base chain that set it last, or ``--set``
-    (the assignment, as given). A value that is not a mapping replaces what its base had below it."""
-    sources: dict[str, str] = {}
-
-    def record(key: str, value: Any, source: str, replaces: bool) -> None:
-        if replaces or not isinstance(value, dict):
-            for below in [name for name in sources if name.startswith(key + ".")]:
-                del sources[below]
-        sources[key] = source
-        if isinstance(value, dict):
-            for name, item in value.items():
-                record(f"{key}.{name}", item, source, False)
-
-    for file, data in reversed(chain):
-        for name, value in data.items():
-            record(str(name), value, str(file), False)
-    for assignment in overrides:
-        parts, value = parse_override(assignment)
-        shown = assignment if len(assignment) <= MAX_SHOWN_CHARS else short_repr(assignment)
-        record(".".join(parts), value, f"--set {shown}", True)
-    return sources
-
-
-def _source_of(message: str, sources: dict[str, str], path: Path) -> str:
-    """What to name before a validation ``message``: ``--set KEY=VALUE`` when a key it names was set there (the
-    latest change), else the file that set the first key it names whose value was set in a file (noting the
-    config it is a base of), else ``path``. Just ``--set`` when the message starts with that very key."""
-    named = []
-    for match in _KEY_IN_MESSAGE.finditer(message):
-        parts = re.sub(r"\[\d+\]", "", match.group(1)).split(".")
-        found = (sources.get(".".join(parts[:length])) for length in range(len(parts), 0, -1))
-        named.append(next((source for source in found if source is not None), None))
-    override = next((source for source in named if source is not None and source.startswith("--set ")), None)
-    if override is not None:
-        key = override[len("--set "):].split("=", 1)[0].strip()
-        return "--set" if message.startswith(f"{key}=") else override
-    file = next((source for source in named if source is not None), str(path))
-    return file if file == str(path) else f"{file} (a base of {path})"
-
-
 def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read a YAML config, apply ``--set`` style overrides, validate. A value the checks refuse is reported
     under where it came from: ``--set KEY=VALUE``, the config file, or the base file that set it."""
@@ -637,8 +580,10 @@ def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     try:
         return from_dict(data)
     except ValueError as error:
-        source = _source_of(str(error), _key_sources(chain, overrides), path)
-        raise ValueError(f"{source}: {error}" if source != "--set" else f"--set {error}") from None
+        assignments = [(assignment if len(assignment) <= MAX_SHOWN_CHARS else short_repr(assignment),
+                        *parse_override(assignment)) for assignment in overrides]
+        source = source_of(str(error), key_sources(chain, assignments), path)
+        raise ValueError(with_source(str(error), source)) from None
 
 
 def save(config: Config, path: str | Path) -> None:
