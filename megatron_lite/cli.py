@@ -11,9 +11,10 @@ A script decorates its ``main(argv=None) -> int`` with ``@cli_main`` and ends wi
 
 A ``ValueError`` (bad key, file or value) prints ``error: MESSAGE`` on stderr and makes ``main``
 return ``EXIT_USER_ERROR``; anything else is a bug and keeps its traceback. Under a launcher (``deepspeed``,
-``torchrun``: RANK set) only rank 0 prints it: every rank checks the same config and command line, and a
-problem found by one rank is passed to rank 0 to name (the other ranks' errors say "see rank 0's message");
-the others exit with the same code, silently.
+``torchrun``: RANK set) only rank 0 prints it; the others exit with the same code, silently. Every rank checks
+the same config and command line, and what only rank 0 does (data preparation, a universal conversion) fails on
+the others as "see rank 0's message", so rank 0's line names the problem. A ValueError that a rank other than 0
+met alone shows no line (the launcher still reports that rank's exit code).
 """
 
 from __future__ import annotations
