@@ -1,7 +1,7 @@
-"""One run per run directory (issue 28 item 1): the lock file rank 0 holds, its refusal naming the holder,
+"""One run per run directory: the lock file rank 0 holds, its refusal naming the holder,
 takeover of a dead holder's lock (also when several runs race for it), --wait-for-lock; end to end, two
 train.py runs on one run dir (plain and 2 ranks). A SIGKILLed run's lock taken over by the next run:
-tests/test_training_run.py. Arguments checked before DeepSpeed starts (issue 28 item 9)."""
+tests/test_training_run.py. Arguments checked before DeepSpeed starts."""
 
 from __future__ import annotations
 

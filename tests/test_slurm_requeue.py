@@ -31,8 +31,6 @@ from megatron_lite import checkpoint_dirs
 from megatron_lite.training.sample_record import read_sample_indices
 from training_helpers import REPO, free_port, metrics, run_train, tiny_train_config, train_losses, write_config
 
-pytestmark = pytest.mark.slow  # real multi-process training runs
-
 STEPS = 40  # long enough for the signal to land mid-run (a tiny step takes ~50 ms)
 RELATIVE_TOLERANCE = 1e-5
 SLURM_SCRIPT = REPO / "tools" / "slurm" / "train.sbatch"
@@ -159,10 +157,26 @@ def uninterrupted(config: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return run_dir
 
 
+def test_run_dir_of_is_train_pys_run_dir() -> None:
+    """`run_lock --run-dir-of ARGS` (how the script finds the run dir to wait on) names the dir train.py writes."""
+    from megatron_lite.training.run_lock import train_run_dir
+    from script_loading import load_script
+
+    parser = load_script("train.py").build_parser()
+    for args in (["--config", "configs/coca_350m.yml", "--set", "train.zero_stage=2"],
+                 ["--wait-for-lock", "300", "--config=configs/tiny/coca_slack.yml", "--run-dir", "runs/x"],
+                 ["--config", "a/b.yml", "--run-dir=/abs/run", "--resume", "none"]):
+        parsed = parser.parse_args(args)
+        assert train_run_dir(args) == (parsed.run_dir or Path("runs") / Path(parsed.config).stem), args
+    with pytest.raises(ValueError, match="without --config or --run-dir"):
+        train_run_dir(["--set", "train.lr=1"])
+
+
 def sbatch_directives(text: str) -> dict[str, str]:
     return dict(re.findall(r"^#SBATCH (--[\w-]+)(?:=(\S+))?$", text, flags=re.M))
 
 
+@pytest.mark.slow  # real multi-process training runs
 def test_signal_saves_on_every_rank_requeues_and_the_next_allocation_resumes(config: Path, uninterrupted: Path,
                                                                             tmp_path: Path) -> None:
     directives = sbatch_directives(SLURM_SCRIPT.read_text())

@@ -92,7 +92,7 @@ def test_torchrun_trains_like_deepspeed_and_saves_on_sigterm(config: Path, tmp_p
         while not (run_dir / "metrics.jsonl").is_file() or len(train_losses(run_dir)) < SIGNAL_AFTER_STEPS:
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-4000:]
             time.sleep(0.05)
-        launcher.send_signal(signal.SIGTERM)  # torchrun alone: its workers sit in sessions of their own
+        launcher.send_signal(signal.SIGTERM)  # torchrun alone: each worker leads a process group of its own
         output = launcher.communicate(timeout=300)[0]
     finally:
         if launcher.poll() is None:
