@@ -22,6 +22,7 @@ SourceType = Literal["hf", "jsonl", "text", "parquet", "python_docs", "python_co
 TextEncoding = Literal["utf-8", "auto"]
 CompileMode = Literal["regional", "whole"]  # megatron_lite.model.compile.COMPILE_MODES
 LossGemm = Literal["mixed", "input_dtype", "fp32"]  # megatron_lite.model.loss.LOSS_GEMMS
+Float8Choice = Literal["none", "lm_head", "mlp", "all"]  # megatron_lite.model.float8.FLOAT8_CHOICES
 GradAccumDtype = Literal["fp32", "model"]  # megatron_lite.training.deepspeed_config
 
 SCHEMES: tuple[str, ...] = typing.get_args(SchemeName)
@@ -503,6 +504,13 @@ class TrainConfig:
             "input_dtype": f"bf16 logits: a slower step than mixed on an H200 ([figures]({INPUT_DTYPE_FIGURES})).",
             "fp32": f"float32 operands, off the bf16 tensor cores: a 5x slower head ([figures]({PERFORMANCE})).",
         })
+    fp8: Float8Choice = _doc(
+        "FP8 (float8) GEMMs through torchao, tensorwise dynamic scaling (docs/float8.md): none | lm_head (the fused "
+        "loss head's three GEMMs; needs train.fused_loss) | mlp (every block's MLP linears) | all (every block "
+        "linear and the head). Attention kernels stay in the model's dtype; layers whose dimensions are not "
+        "divisible by 16 stay too, named in one line. Needs a CUDA GPU of compute capability 8.9+ (H100, L4, ...) "
+        "and the fp8 extra (torchao); elsewhere the run stops with one line. Checkpoints keep plain weight names. "
+        "Default none: what it gains with CoCA on a GPU is not measured yet.", default="none")
     lr: float = _doc("Peak learning rate, reached at the end of warm-up (paper: 1e-4).", default=1.0e-4)
     min_lr: float = _doc("Learning rate at the last step (paper: 1e-5).", default=1.0e-5)
     warmup: float = _doc("Warm-up length as a fraction of train_iters (paper: 0.01).", default=0.01)

@@ -96,6 +96,10 @@ class _HeadGemms:
         rounded = torch.empty(x.shape, dtype=self.rounding_dtype, device=x.device)
         return torch.mul(x, factor, out=rounded).to(self.operand_dtype)
 
+    def logits(self, hidden_op_nC: torch.Tensor, weight_op_VC: torch.Tensor) -> torch.Tensor:
+        """hidden @ weight^T, (n, V) in the compute dtype; ``matmul`` serves the two gradient GEMMs."""
+        return self.matmul(hidden_op_nC, weight_op_VC.t())
+
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a @ b in the compute dtype from operands in the operand dtype."""
         if self.operand_dtype == self.compute_dtype:
@@ -110,6 +114,10 @@ class _HeadGemms:
             return total.addmm_(a, b)  # in place: no (V, C) temporary
         # mm + add, not addmm(out_dtype=...): torch 2.11's fake-tensor pass fails on addmm.dtype under compile
         return total.add_(self.matmul(a, b))
+
+
+# gemm modes beyond LOSS_GEMMS, registered by the modules that define them (model/float8.py: "float8")
+HEAD_GEMMS: dict[str, type[_HeadGemms]] = {}
 
 
 class _WeightGradientSum:
@@ -154,7 +162,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx: Any, hidden_NC: torch.Tensor, weight_VC: torch.Tensor, labels_N: torch.Tensor,
                 chunk_tokens: int, ignore_index: int, gemm: str, grad_hidden_wanted: bool,
                 grad_weight_wanted: bool) -> torch.Tensor:
-        gemms = _HeadGemms(gemm, hidden_NC, weight_VC)
+        gemms = HEAD_GEMMS.get(gemm, _HeadGemms)(gemm, hidden_NC, weight_VC)
         dtype, weight_op_VC = gemms.compute_dtype, gemms.weight_VC
         valid_N = labels_N != ignore_index
         safe_labels_N = labels_N.masked_fill(~valid_N, 0)  # ignored rows gather a real column, then drop out
@@ -171,7 +179,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         chunk_step = _traced_chunk if torch.compiler.is_compiling() else _eager_chunk
         for start, end in _chunk_bounds(hidden_NC.shape[0], chunk_tokens):
             hidden_op_nC = gemms.operand(hidden_NC[start:end])
-            logits_nV = gemms.matmul(hidden_op_nC, weight_op_VC.t())  # (n, V) compute dtype
+            logits_nV = gemms.logits(hidden_op_nC, weight_op_VC)  # (n, V) compute dtype
             total = total + chunk_step(gemms, logits_nV, safe_labels_N[start:end], valid_N[start:end],
                                        scale_N[start:end], hidden_op_nC, weight_op_VC, start, grad_hidden_NC,
                                        grad_weight_sum)
@@ -278,7 +286,7 @@ def chunked_cross_entropy(hidden_NC: torch.Tensor, weight_VC: torch.Tensor, labe
     The (N, V) logits are never whole: ``chunk_tokens`` rows at a time, with the gradients computed in the same
     pass where grad is enabled. ``gemm``: the GEMMs' operand and output dtypes (module docstring)."""
     _check_inputs(hidden_NC, weight_VC, labels_N, chunk_tokens)
-    if gemm not in LOSS_GEMMS:
+    if gemm not in LOSS_GEMMS and gemm not in HEAD_GEMMS:
         raise ValueError(f"loss gemm {gemm!r}: must be one of {', '.join(LOSS_GEMMS)}")
     grad_enabled = torch.is_grad_enabled()  # False inside the Function's forward: asked here
     return _ChunkedCrossEntropy.apply(hidden_NC, weight_VC, labels_N, chunk_tokens, ignore_index, gemm,

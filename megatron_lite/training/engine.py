@@ -15,6 +15,7 @@ from megatron_lite.config import Config
 from megatron_lite.console import console, notice
 from megatron_lite.model import GPT
 from megatron_lite.model.compile import compile_model
+from megatron_lite.model.float8 import apply_float8, float8_problem
 from megatron_lite.training.deepspeed_config import (BatchSizes, bf16_accumulation_notice, bf16_zero0_sync_notice,
                                                      deepspeed_config)
 from megatron_lite.training.distributed import DistributedInfo
@@ -58,6 +59,7 @@ class StagedEngine:
             self.selection = select(model, self.stage.trainable, stage_key(self.stage))
             apply_selection(model, self.selection)
         model.use_loss_settings(self.config.train)
+        _convert_float8(model, self.config, self.dist_info.is_main)  # after the loss settings, before compile
         mpu = sequence_parallel_mpu(self.config.train.sequence_parallel_size)
         if mpu is not None:
             model.enable_sequence_parallel(mpu.get_sequence_parallel_group())
@@ -125,6 +127,9 @@ def start_engine(config: Config, batch_sizes: BatchSizes, dist_info: Distributed
     resume loads the checkpoint's universal conversion (``checkpointing.plan_resume``)."""
     stage = stage_at(stages, marker.get("step", 0)) if stages else None
     weights_only = resumes_weights_only(stages, resume_dir, marker)
+    problem = float8_problem(config.train.fp8, config.train.fused_loss, dist_info.device)
+    if problem:  # before the model is built: a run that cannot train in FP8 stops at once
+        raise ValueError(problem)
     for line in (bf16_accumulation_notice(config, batch_sizes), bf16_zero0_sync_notice(config, dist_info.device.type)):
         if line and dist_info.is_main:
             notice(line)
@@ -148,6 +153,22 @@ def start_engine(config: Config, batch_sizes: BatchSizes, dist_info: Distributed
 def new_model(config: Config, dist_info: DistributedInfo) -> GPT:
     with torch.device(dist_info.device):
         return GPT(config.model)  # fp32 master weights; DeepSpeed casts for bf16/fp16
+
+
+def _convert_float8(model: GPT, config: Config, is_main: bool) -> None:
+    """train.fp8's GEMMs in float8 (model/float8.py), in place: each engine's new model, a stage's too."""
+    if config.train.fp8 == "none":
+        return
+    plan = apply_float8(model, config.train.fp8)
+    if not is_main:
+        return
+    console(plan.summary())
+    skipped = plan.skipped_notice()
+    if skipped:
+        notice(skipped)
+    if plan.head and config.train.loss_gemm != "mixed":
+        notice(f"train.loss_gemm={config.train.loss_gemm}: the LM head's GEMMs run in FP8 "
+               f"(train.fp8={config.train.fp8}), the setting does not apply")
 
 
 def stage_key(stage: Stage) -> str:
