@@ -505,12 +505,10 @@ class TrainConfig:
             "fp32": f"float32 operands, off the bf16 tensor cores: a 5x slower head ([figures]({PERFORMANCE})).",
         })
     fp8: Float8Choice = _doc(
-        "FP8 (float8) GEMMs through torchao, tensorwise dynamic scaling (docs/float8.md): none | lm_head (the fused "
-        "loss head's three GEMMs; needs train.fused_loss) | mlp (every block's MLP linears) | all (every block "
-        "linear and the head). Attention kernels stay in the model's dtype; layers whose dimensions are not "
-        "divisible by 16 stay too, named in one line. Needs a CUDA GPU of compute capability 8.9+ (H100, L4, ...) "
-        "and the fp8 extra (torchao); elsewhere the run stops with one line. Checkpoints keep plain weight names. "
-        "Default none: what it gains with CoCA on a GPU is not measured yet.", default="none")
+        "FP8 GEMMs through torchao, tensorwise scaling (docs/float8.md): none | lm_head (the fused loss head's "
+        "GEMMs; needs train.fused_loss) | mlp (the blocks' MLP linears) | all (every block linear and the head). "
+        "Attention stays in the model's dtype. Needs a CUDA GPU of compute capability 8.9+ and the fp8 extra; "
+        "elsewhere the run stops in one line. Default none: not measured with CoCA on a GPU yet.", default="none")
     lr: float = _doc("Peak learning rate, reached at the end of warm-up (paper: 1e-4).", default=1.0e-4)
     min_lr: float = _doc("Learning rate at the last step (paper: 1e-5).", default=1.0e-5)
     warmup: float = _doc("Warm-up length as a fraction of train_iters (paper: 0.01).", default=0.01)

@@ -33,7 +33,7 @@ inductor to fuse: a log-sum-exp reduction and one kernel writing the whole chunk
 more, one GEMM per gradient per chunk); in-place passes would be functionalised into a second float32 buffer.
 Inductor also sums grad_weight's per-chunk products in one kernel after the last chunk (less traffic than a
 running sum), so the compiled head holds chunks - 1 float32 (V, C) products at its peak where the eager one holds
-one sum: 1.43 GB at 8 chunks of the 350M config's 50,048 x 1,024 (CUDA lowering, docs/gpu.md).
+one sum: 1.43 GB at 8 chunks of the 350M config's 50,048 x 1,024 (CUDA lowering, docs/performance.md).
 Under ``torch.no_grad`` (evaluation), or for an input that does not require grad, that gradient is not computed.
 
 ``LMHead`` is the model's output layer: its forward returns logits, or the loss when given labels.

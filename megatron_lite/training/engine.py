@@ -189,7 +189,7 @@ def use_compile(config: Config, device: torch.device) -> bool:
 
 def use_cuda_graphs(config: Config, device: torch.device) -> bool:
     """train.cuda_graphs for a compiled run, where null means on wherever the setup is the one measured to gain
-    (Run 4, H200: the paper config at micro batch 16, 30.8% -> 43.5% MFU, the same losses, docs/gpu.md): regional
+    (one H200: the paper config at micro batch 16, 30.8% -> 43.5% MFU, the same losses; docs/performance.md): regional
     compile on a CUDA device, bf16 with ZeRO 1's flat float32 sums (each micro batch's gradients taken out of the
     graphs' memory at once, whatever the accumulation), no sequence parallelism, no activation checkpointing
     (untried with graphs), no C++ wrapper (which graphs replace); off elsewhere, silently."""
@@ -230,7 +230,7 @@ def enable_tf32() -> None:
 # The first compiled step at 350M (24 layers, micro batch 16 x 512, bf16) on one H200, torch 2.11.0+cu130, with
 # inductor's caches off: forward + backward of the model alone took 14.1 s regional and 64.6 s whole (2026-11-26,
 # whole with train.loss_gemm=input_dtype); the users' command's first step (whole, in DeepSpeed's engine) 67.9 s
-# (docs/gpu.md). Rough by design: the line tells a user why the first step is slow, it predicts nothing.
+# (docs/performance.md). Rough by design: the line tells a user why the first step is slow, it predicts nothing.
 COMPILE_FIRST_STEP_SECONDS = {"regional": 15, "whole": 70}
 _COMPILE_WHAT = {"regional": "the repeated block once", "whole": "the whole model as one graph"}
 
