@@ -190,7 +190,7 @@ def test_readme_entry_points_are_checked_commands() -> None:
     from test_docker import check_batches, check_document
 
     readme = (REPO / "README.md").read_text()
-    section = readme.split("\n## Entry points\n", 1)[1].split("\n## ", 1)[0]
+    section = readme.split("\n## Train the paper's model\n", 1)[1].split("\n## ", 1)[0]
     found = check_document(section)
     check_batches(found)
     launchers = [entry["launcher"] for entry in found.deepspeed]
@@ -198,4 +198,4 @@ def test_readme_entry_points_are_checked_commands() -> None:
     assert all(launcher.user_args == ["--config", "configs/coca_350m.yml"] for launcher in launchers)
     assert len(found.docker_runs) == 1
     assert "python tools/convert_checkpoint.py runs/coca_350m hf/coca_350m --to hf" in section
-    assert readme.index("## Entry points") > readme.index("python -m pytest -q")  # the first commands stay first
+    assert readme.index("## Train the paper's model") > readme.index("python -m pytest -q")  # the first commands stay first
