@@ -72,7 +72,7 @@ def _forecast_section(curves: dict[str, list[dict[str, Any]]], labels: dict[str,
             "ratio - 1 fitted as a power of tokens seen (least squares in log-log space, evaluations after the first "
             f"{break_forecast.DEFAULT_FIT_FROM_FRACTION:.0%} of the tokens with a ratio > 1; "
             "`tools/forecast_break.py`), "
-            f"continued to a ratio of {threshold:g}: an extrapolation of a noisy curve, a hypothesis for the next run "
+            f"continued to a ratio of {threshold:g}: an extrapolation of a noisy curve, a hypothesis for a longer run "
             f"to test, not a measurement; no projection where R^2 < {break_forecast.MIN_R_SQUARED:g}.\n\n"
             + markdown_table(header, body))
 

@@ -166,7 +166,7 @@ def _percent(cell: str) -> float | None:
 def mfu_from_board(path: Path) -> MfuEstimate | None:
     """The newest real (``full``) paper-350m reproduction row with an MFU on the results board (8-GPU training,
     the best evidence). None when there is none. A GPU check's MFU column is not used: it is the bare model's at
-    micro batch 64 (37.5% on the H200 whose users' command ran at 27.0%), above what training reaches."""
+    micro batch 64 (45.5% for CoCA slack on the H200 whose users' command trained at 43.5%), above what training reaches."""
     from megatron_lite import results_board
 
     if not path.is_file():
