@@ -1,4 +1,6 @@
-"""The SLURM batch script (tools/slurm/train.sbatch) stopped by SLURM's signal, requeued and resumed, on one machine.
+"""Several launchers on one machine against one uninterrupted 2-rank run (`deepspeed --num_gpus 2`, a tiny model):
+two DeepSpeed launchers with --no_ssh as two nodes; the SLURM batch script (tools/slurm/train.sbatch) stopped by
+SLURM's signal, requeued and resumed; and train.py under torchrun, stopped by SIGTERM.
 
 Stand-ins on PATH behave like SLURM where it matters:
 * `srun` starts the command once per node (each with its SLURM_NODEID) and holds every process they start
@@ -9,10 +11,14 @@ Stand-ins on PATH behave like SLURM where it matters:
 * `scontrol` answers `show hostnames` and records `requeue JOBID`; the test then reruns the script as the job's
   next allocation (SLURM_RESTART_COUNT=1), appending to the same output file (`--open-mode=append`).
 
-Two "nodes" of one rank each train a tiny run; the signal lands mid-run. Every rank saves the step it was on,
-the script requeues the job, and the next allocation resumes there and trains to the end with the losses of an
-uninterrupted run (the same config from one `deepspeed --num_gpus 2`). Every step is in metrics.jsonl once.
+In the SLURM test two "nodes" of one rank each train a tiny run; the signal lands mid-run. Every rank saves the
+step it was on, the script requeues the job, and the next allocation resumes there and trains to the end with the
+losses of the uninterrupted run. Every step is in metrics.jsonl once.
 The script's static checks (each node's deepspeed command through DeepSpeed's parser): tests/test_docker.py.
+
+The same uninterrupted run is the reference for train.py under `torchrun` (docs/run_at_scale.md, "torchrun"):
+2 ranks stopped by a SIGTERM to torchrun save on every rank, `run_lock` exits 143, and the steps up to the
+signal's are the `deepspeed` launcher's. The guide's torchrun commands: tests/test_torchrun.py.
 """
 
 from __future__ import annotations
@@ -31,7 +37,13 @@ from megatron_lite import checkpoint_dirs
 from megatron_lite.training.sample_record import read_sample_indices
 from training_helpers import REPO, free_port, metrics, run_train, tiny_train_config, train_losses, write_config
 
+STARTUP = "2 rank(s) on cpu; batch 8 = 4 micro x 1 accumulation (derived) x 2 rank(s)"
+# Two names for this machine: DeepSpeed refuses a hostfile naming one host twice, and with --no_ssh the
+# names are only labels (each launcher takes the line of its --node_rank; only --master_addr is dialled).
+HOSTFILE = "localhost slots=1\n127.0.0.1 slots=1\n"
+
 STEPS = 40  # long enough for the signal to land mid-run (a tiny step takes ~50 ms)
+TORCHRUN_SIGNAL_AFTER_STEPS = 12  # past the first validation (step 10), which the comparison then covers
 RELATIVE_TOLERANCE = 1e-5
 SLURM_SCRIPT = REPO / "tools" / "slurm" / "train.sbatch"
 JOB_ID = "4242"
@@ -172,6 +184,70 @@ def test_run_dir_of_is_train_pys_run_dir() -> None:
         train_run_dir(["--set", "train.lr=1"])
 
 
+def launcher_env() -> dict[str, str]:
+    # A launcher whose partner never starts waits DEEPSPEED_TIMEOUT minutes (default 10) for it: fail sooner.
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1",
+            "DEEPSPEED_TIMEOUT": "2"}
+
+
+def assert_trained_like(run_dir: Path, reference: Path) -> None:
+    """Finished at STEPS with world size 2 (both ranks wrote their share), every step once, the reference's losses
+    and validation losses to 1e-5, and the same global samples in every step."""
+    marker = checkpoint_dirs.read_complete_marker(run_dir / checkpoint_dirs.CHECKPOINTS_DIR /
+                                                  checkpoint_dirs.step_tag(STEPS))
+    assert (marker["step"], marker["world_size"], marker["stopped_by"]) == (STEPS, 2, "completed")
+    steps = [row["step"] for row in metrics(run_dir) if row.get("loss") is not None]
+    assert steps == list(range(1, STEPS + 1))  # every step once
+    losses, expected = train_losses(run_dir), train_losses(reference)
+    assert sorted(expected) == steps
+    for each in steps:
+        assert losses[each] == pytest.approx(expected[each], rel=RELATIVE_TOLERANCE), each
+
+    def validation(run: Path) -> dict[int, float]:
+        return {row["step"]: row["val_loss"] for row in metrics(run) if row.get("val_loss") is not None}
+
+    assert validation(run_dir).keys() == validation(reference).keys() == {10, 20, 30, 40}
+    for each, loss in validation(run_dir).items():
+        assert loss == pytest.approx(validation(reference)[each], rel=RELATIVE_TOLERANCE), each
+    assert read_sample_indices(run_dir) == read_sample_indices(reference)
+
+
+@pytest.mark.slow  # real multi-process training runs
+def test_two_launchers_with_no_ssh_train_like_one_launcher_with_two_ranks(config: Path, uninterrupted: Path,
+                                                                          tmp_path: Path) -> None:
+    """`deepspeed --no_ssh --node_rank R` once per "node" (one rank each) reading a two-line hostfile: the run of
+    one launcher with both ranks."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(HOSTFILE)
+    port, run_dir = free_port(), tmp_path / "run"
+    deepspeed = Path(sys.executable).with_name("deepspeed")
+    executable = [str(deepspeed)] if deepspeed.exists() else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    launchers = []
+    for node_rank in (0, 1):
+        command = [*executable, "--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "1", "--no_ssh",
+                   "--node_rank", str(node_rank), "--master_addr", "127.0.0.1", "--master_port", str(port),
+                   str(REPO / "train.py"), "--config", str(config), "--run-dir", str(run_dir)]
+        launchers.append(subprocess.Popen(command, cwd=REPO, env=launcher_env(), text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outputs = [launcher.communicate(timeout=300)[0] for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+    for node_rank, (launcher, output) in enumerate(zip(launchers, outputs)):
+        assert launcher.returncode == 0, f"launcher {node_rank} exited {launcher.returncode}:\n{output[-4000:]}"
+        # each launcher placed its own rank: world size 2, one process here, global rank = node rank
+        assert f"nnodes=2, num_local_procs=1, node_rank={node_rank}" in output, output[-4000:]
+    assert STARTUP in outputs[0]  # rank 0 (node 0) prints the header; it counts both ranks
+    assert f"done: completed at step {STEPS}/{STEPS}" in outputs[0]
+    step_dir = run_dir / checkpoint_dirs.CHECKPOINTS_DIR / checkpoint_dirs.step_tag(STEPS)
+    for rank in (0, 1):  # each rank saves its RNG state and its ZeRO-1 optimizer partition
+        assert (step_dir / f"rng_state_rank{rank:05d}.pt").is_file()
+        assert len(list(step_dir.glob(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))) == 1
+    assert_trained_like(run_dir, uninterrupted)
+
+
 def sbatch_directives(text: str) -> dict[str, str]:
     return dict(re.findall(r"^#SBATCH (--[\w-]+)(?:=(\S+))?$", text, flags=re.M))
 
@@ -187,8 +263,8 @@ def test_signal_saves_on_every_rank_requeues_and_the_next_allocation_resumes(con
     stand_ins = install_stand_ins(tmp_path / "bin")
     run_dir, output_file, requeues = tmp_path / "run", tmp_path / "job.out", tmp_path / "requeues"
     path = os.pathsep.join([str(stand_ins), str(Path(sys.executable).parent), os.environ["PATH"]])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "DEEPSPEED_TIMEOUT": "2",
-           "PATH": path, "SLURM_JOB_ID": JOB_ID, "SLURM_JOB_NODELIST": "127.0.0.1,localhost", "SLURM_NNODES": "2",
+    env = {**launcher_env(), "PATH": path, "SLURM_JOB_ID": JOB_ID, "SLURM_JOB_NODELIST": "127.0.0.1,localhost",
+           "SLURM_NNODES": "2",
            "SLURM_GPUS_PER_NODE": "cpu:1", "SLURM_CPUS_ON_NODE": "2", "HOSTFILE": str(tmp_path / "hostfile"),
            "SRUN_OPTIONS_FILE": str(tmp_path / "srun_options"), "SRUN_LOG_FILE": str(tmp_path / "srun.log"),
            "SRUN_PID_FILE": str(tmp_path / "srun.pid"), "SCONTROL_REQUEUE_FILE": str(requeues),
@@ -236,7 +312,7 @@ def test_signal_saves_on_every_rank_requeues_and_the_next_allocation_resumes(con
         "--ntasks-per-node=1", "--cpus-per-task=2", "--kill-on-bad-exit=1"]
     for node_rank in (0, 1):
         assert f"nnodes=2, num_local_procs=1, node_rank={node_rank}" in log
-    assert "2 rank(s) on cpu; batch 8 = 4 micro x 1 accumulation (derived) x 2 rank(s)" in log
+    assert STARTUP in log
     assert "requeueing job 4242" in log
 
     code = allocation(1, signal_after_steps=None)
@@ -245,13 +321,66 @@ def test_signal_saves_on_every_rank_requeues_and_the_next_allocation_resumes(con
     assert requeues.read_text().split() == [JOB_ID]  # completed: no second requeue
     assert "allocation 1 of job 4242" in log and "allocation 2 of job 4242" in log  # one output file, appended
     assert f"resumed from {stopped} at step {step}" in log
-    marker = checkpoint_dirs.read_complete_marker(run_dir / checkpoint_dirs.CHECKPOINTS_DIR /
-                                                  checkpoint_dirs.step_tag(STEPS))
-    assert (marker["step"], marker["world_size"], marker["stopped_by"]) == (STEPS, 2, "completed")
+    assert_trained_like(run_dir, uninterrupted)
+
+
+def torchrun(config: Path, run_dir: Path) -> list[str]:
+    executable = Path(sys.executable).with_name("torchrun")
+    launcher = [str(executable)] if executable.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    return [*launcher, "--nnodes", "1", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--shutdown-timeout", "600",
+            str(REPO / "train.py"), "--config", str(config), "--run-dir", str(run_dir)]
+
+
+@pytest.mark.slow
+def test_torchrun_trains_like_deepspeed_and_saves_on_sigterm(config: Path, uninterrupted: Path, tmp_path: Path) -> None:
+    """torchrun (torch.distributed.elastic) answers SIGTERM by sending it on to each worker's process group, waiting
+    up to --shutdown-timeout seconds (default 30) for them, SIGKILLing any still alive, and exiting 1 with a
+    SignalException traceback: the run's own code comes from run_lock, 143, with the signal's checkpoint complete.
+    Up to that step the losses, validation loss and samples are those of the deepspeed launcher's run."""
+    reference = uninterrupted
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    run_dir = tmp_path / "torchrun"
+
+    launcher = subprocess.Popen(torchrun(config, run_dir), cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").is_file() or len(train_losses(run_dir)) < TORCHRUN_SIGNAL_AFTER_STEPS:
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-4000:]
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)  # torchrun alone: each worker leads a process group of its own
+        output = launcher.communicate(timeout=300)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    # torchrun waited for its workers, then exited 1 on its SignalException; the run's code comes from its lock
+    assert launcher.returncode == 1 and "SignalException" in output, output[-4000:]
+    waited = subprocess.run([sys.executable, "-m", "megatron_lite.training.run_lock", str(run_dir)], cwd=REPO,
+                            env=env, text=True, capture_output=True, timeout=120)
+    stopped = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
+    assert stopped is not None, output[-4000:]
+    marker = checkpoint_dirs.read_complete_marker(stopped)
+    step = marker["step"]
+    assert waited.returncode == 143, waited.stdout + waited.stderr
+    assert f"{run_dir}: stopped by SIGTERM at step {step}" in waited.stdout
+    assert TORCHRUN_SIGNAL_AFTER_STEPS <= step < STEPS and (marker["world_size"], marker["stopped_by"]) == (2, "signal")
+    for rank in (0, 1):  # both ranks saved their share
+        assert (stopped / f"rng_state_rank{rank:05d}.pt").is_file()
+        assert len(list(stopped.glob(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))) == 1
+    assert STARTUP in output
+    # every step up to the signal's: the deepspeed launcher's losses, validation loss and samples
     steps = [row["step"] for row in metrics(run_dir) if row.get("loss") is not None]
-    assert steps == list(range(1, STEPS + 1))  # every step once
-    losses, expected = train_losses(run_dir), train_losses(uninterrupted)
-    assert sorted(expected) == steps
+    losses, expected = train_losses(run_dir), train_losses(reference)
+    assert steps == list(range(1, step + 1)) and sorted(expected) == list(range(1, STEPS + 1))
     for each in steps:
         assert losses[each] == pytest.approx(expected[each], rel=RELATIVE_TOLERANCE), each
-    assert read_sample_indices(run_dir) == read_sample_indices(uninterrupted)
+
+    def validation(run: Path) -> dict[int, float]:
+        return {row["step"]: row["val_loss"] for row in metrics(run) if row.get("val_loss") is not None}
+
+    assert 10 in validation(run_dir) and validation(reference).keys() == {10, 20, 30, 40}
+    for each, loss in validation(run_dir).items():
+        assert loss == pytest.approx(validation(reference)[each], rel=RELATIVE_TOLERANCE), each
+    expected_samples = read_sample_indices(reference)
+    assert read_sample_indices(run_dir) == {each: expected_samples[each] for each in steps}
