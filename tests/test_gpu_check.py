@@ -2,13 +2,12 @@
 finishes; a re-run skips finished sections; --only picks sections; no CUDA without --smoke is one error line.
 --quick --smoke: the quick profile's sections and rows for the schemes given; its flags checked (one error line
 each); the users' command's metrics and warnings read from synthetic files; the Hugging Face twin's loss compiled with
-it; the scripts of tools/gpu/ parse, name only settings and flags that exist, and the acceptance script's dry run
-writes every phase's files."""
+it; the scripts of tools/gpu/ parse and name only settings and flags that exist (the acceptance script's dry run:
+tests/test_speedrun.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -434,39 +433,3 @@ def test_the_twins_loss_compiled_with_it_is_the_same_loss(monkeypatch: pytest.Mo
     assert calls == [wrapped]  # the wrapper, loss and all, not the twin alone
     with pytest.raises(ValueError, match="--twin-loss eager,jit: unknown value"):
         gpu_check_settings.parse_twin_losses("eager,jit")
-
-
-@pytest.mark.slow
-def test_the_acceptance_script_dry_run_writes_every_phase(tmp_path: Path) -> None:
-    """tools/gpu/acceptance.sh --dry-run on a tiny bundle, on CPU: the default phase's runs killed after a save,
-    resumed and compared (exactly equal in fp32 on a CPU), converted; the paper vocabulary's runs and throughput
-    rows; the speedrun pair; the FP8 runs (stopped where FP8 needs CUDA); all packed into results.tar.xz."""
-    from test_data_bundle import make_tiny_bundle
-
-    bundle = make_tiny_bundle(tmp_path)
-    out = tmp_path / "out"
-    env = {**os.environ, "GPU_ACCEPTANCE_WORK": str(tmp_path / "work"), "GPU_ACCEPTANCE_BUDGET": "1500"}
-    run = subprocess.run(["bash", str(REPO / "tools/gpu/acceptance.sh"), "--dry-run", "-", str(bundle), str(out)],
-                         capture_output=True, text=True, env=env, timeout=1500)
-    assert run.returncode == 0, run.stdout[-3000:]
-    assert sorted(path.name for path in out.iterdir()) == ["results.tar.xz"]  # no trace in a dry run
-    unpacked = tmp_path / "unpacked"
-    with tarfile.open(out / "results.tar.xz") as archive:
-        archive.extractall(unpacked, filter="data")
-    phases = (unpacked / "phases.txt").read_text().splitlines()
-    assert [line.split(" in ")[0] for line in phases] == ["default exit 0", "vocab exit 0", "speedrun exit 0",
-                                                         "fp8 exit 0"], phases
-    resume = json.loads((unpacked / "e2e_resume.json").read_text())
-    assert resume["resumed_from"] >= 4 and resume["after_the_resume"]["steps"][-1] == 12
-    assert resume["after_the_resume"]["max_abs_diff"] == 0 and resume["before_the_kill"]["max_abs_diff"] == 0
-    assert "SIGKILL once step 4's checkpoint was complete" in (unpacked / "log.txt").read_text()
-    assert "(--to hf, fp32, scheme coca slack)" in (unpacked / "e2e_convert.txt").read_text()
-    assert "skipped" in (unpacked / "gpu_tests.txt").read_text()
-    vocab = json.loads((unpacked / "vocab_summary.json").read_text())
-    assert [row["run"] for row in vocab["runs"]] == ["vocab_mb16", "vocab_mb32"]
-    assert all(row["exit_code"] == "0" and row["tokens_per_sec"] > 0 for row in vocab["runs"])
-    assert {row["row"] for row in vocab["throughput"]} == {"rope", "hf_twin (loss eager)", "hf_twin (loss compiled)"}
-    assert (unpacked / "speedrun/tables.md").is_file() and (unpacked / "speedrun/rope_metrics.jsonl").is_file()
-    fp8 = json.loads((unpacked / "fp8_summary.json").read_text())
-    assert [row["run"] for row in fp8["runs"]] == ["fp8_none", "fp8_lm_head", "fp8_mlp", "fp8_all"]
-    assert fp8["runs"][0]["exit_code"] == "0" and fp8["runs"][0]["tokens_per_sec"] > 0

@@ -1,14 +1,16 @@
-"""tools/reproduce.py --profile gpu-speedrun: the probe's step count, a dry run of every phase from a real
-(tiny) data bundle on a node without wandb, datasets, zstandard or matplotlib, a run split into two
-invocations with --only, and a SIGTERM (a scheduler's, ``timeout``'s) reaching train.py through the reproduction."""
+"""tools/reproduce.py --profile gpu-speedrun: the probe's step count, the GPU acceptance script's dry run (the
+speedrun pair among its phases) from a real (tiny) data bundle on a node without wandb, datasets, zstandard or
+matplotlib, and a SIGTERM (a scheduler's, ``timeout``'s) reaching train.py through the reproduction."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -25,16 +27,23 @@ import reproduce  # noqa: E402
 from test_reproduce import TOY_MODEL, write_books  # noqa: E402
 
 BARE_NODE_BLOCKER = '''
-import importlib.abc, sys
+import importlib.abc, importlib.util, sys
 BLOCKED = {"wandb", "datasets", "zstandard", "matplotlib"}
 
 class BareNode(importlib.abc.MetaPathFinder):
-    """What a bare GPU node lacks (docs/reproduction.md): importing it fails as if not installed."""
+    """What a bare GPU node lacks (docs/gpu_check.md): importing it fails as if not installed."""
     def find_spec(self, name, path, target=None):
         if name.partition(".")[0] in BLOCKED:
             raise ModuleNotFoundError(f"No module named {name!r} (a bare node)", name=name)
         return None
 
+_find_spec = importlib.util.find_spec
+
+def find_spec(name, package=None):
+    """As on a node without the package: no spec (torch probes for zstandard this way)."""
+    return None if name.partition(".")[0] in BLOCKED else _find_spec(name, package)
+
+importlib.util.find_spec = find_spec
 sys.meta_path.insert(0, BareNode())
 '''
 
@@ -113,63 +122,90 @@ def tiny_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-def test_dry_run_of_every_phase_from_a_bundle_on_a_bare_node(tiny_bundle: Path, tmp_path: Path) -> None:
-    """Two invocations (--only data,probe,train; then eval,report), as a run split under a time limit would be,
-    in processes where wandb, datasets, zstandard and matplotlib cannot be imported."""
+def test_acceptance_dry_run_on_a_bare_node_writes_every_phase(tiny_bundle: Path, tmp_path: Path) -> None:
+    """tools/gpu/acceptance.sh --dry-run on a tiny bundle, in processes where wandb, datasets, zstandard and
+    matplotlib cannot be imported: the default phase's run killed after a save, resumed and compared with an
+    uninterrupted one (equal in fp32 on a CPU), converted to Hugging Face; the paper vocabulary's runs and throughput rows; the
+    speedrun pair through tools/gpu/speedrun_pair.sh (two reproduce.py invocations: data and probe, then train,
+    eval and report); the FP8 runs (stopped at their start where FP8 needs CUDA); all packed into results.tar.xz."""
     blocker = tmp_path / "bare_node"
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(BARE_NODE_BLOCKER)
-    env = {**os.environ, "TQDM_DISABLE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(blocker), str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "TQDM_DISABLE": "1", "GPU_ACCEPTANCE_WORK": str(tmp_path / "work"),
+           "GPU_ACCEPTANCE_BUDGET": "1500",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(blocker), os.environ.get("PYTHONPATH")]))}
     probe = subprocess.run([sys.executable, "-c", "import matplotlib"], env=env, capture_output=True, text=True)
     assert probe.returncode != 0 and "a bare node" in probe.stderr  # the blocker is in force
     out = tmp_path / "out"
-    base = [sys.executable, str(REPO / "tools/reproduce.py"), "--profile", "gpu-speedrun", "--dry-run",
-            "--bundle", str(tiny_bundle), "--out", str(out), "--probe-steps", "3", "--quiet",
-            "--board", str(tmp_path / "board.md")]
+    run = subprocess.run(["bash", str(REPO / "tools/gpu/acceptance.sh"), "--dry-run", "-", str(tiny_bundle), str(out)],
+                         capture_output=True, text=True, env={**env, "PYTHON": sys.executable}, timeout=1500)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert sorted(path.name for path in out.iterdir()) == ["results.tar.xz"]  # no profiler trace in a dry run
+    with tarfile.open(out / "results.tar.xz") as archive:
+        archive.extractall(tmp_path / "results", filter="data")
+    results_dir = tmp_path / "results"
+    phases = (results_dir / "phases.txt").read_text().splitlines()
+    assert [line.split(" in ")[0] for line in phases] == ["default exit 0", "vocab exit 0", "speedrun exit 0",
+                                                         "fp8 exit 0"], phases
 
-    first = subprocess.run([*base[:-3], *base[-2:], "--only", "data,probe,train"], env=env, capture_output=True,
-                           text=True, timeout=900)  # not --quiet: the plan is printed first
-    assert first.returncode == 0, first.stderr[-3000:]
-    # the GPU plan for the shipped model at the H200 reference: (540 - 10) / 2 - 36.9 start-up - 40 evaluation - 20
-    # curve = 168.1 s of training at 664,882 tokens/s = 3,410 steps of 32,768 tokens
-    assert first.stdout.startswith("[reproduce] GPU plan at the reference measurement (one NVIDIA H200, 2026-11-27"), \
-        first.stdout[:500]
-    assert "2 models (rope, coca_slack), 3,410 steps = 111.7M tokens each" in first.stdout.splitlines()[0]
-    assert "data: 0.0M training tokens per model = 0.0 passes over the bundle's" in first.stdout  # 3 steps of 128
-    assert not (out / "results.json").exists() and not (tmp_path / "board.md").exists()  # not finished: no row
-    second = subprocess.run([*base, "--only", "eval,report"], env=env, capture_output=True, text=True, timeout=900)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "matplotlib is not installed" in second.stdout + second.stderr
+    # default: killed once a save was complete (every 4 steps; how many steps ran by then is the machine's),
+    # resumed to step 20: the same losses as the uninterrupted run's
+    resume = json.loads((results_dir / "e2e_resume.json").read_text())
+    assert resume["resumed_from"] in (4, 8, 12, 16) and resume["after_the_resume"]["steps"][-1] == 20
+    assert resume["after_the_resume"]["max_abs_diff"] == 0 and resume["before_the_kill"]["max_abs_diff"] == 0
+    log = (results_dir / "log.txt").read_text()
+    assert re.search(r"e2e_killed: SIGKILL once step (4|8|12|16)'s checkpoint was complete", log), log[-3000:]
+    assert "(--to hf, fp32, scheme coca slack)" in (results_dir / "e2e_convert.txt").read_text()
+    assert " skipped" in (results_dir / "gpu_tests.txt").read_text()  # the GPU tests, on a CPU
 
-    results = json.loads((out / "results.json").read_text())
+    # vocab: both micro batches trained, each beside the compiled rows of rope and the twin (loss eager, compiled)
+    vocab = json.loads((results_dir / "vocab_summary.json").read_text())
+    assert [(row["run"], row["exit_code"]) for row in vocab["runs"]] == [("vocab_mb16", "0"), ("vocab_mb32", "0")]
+    assert all(row["tokens_per_sec"] > 0 for row in vocab["runs"])
+    assert [(row["run"], row["row"]) for row in vocab["throughput"]] == [
+        (f"vocab_mb{micro}", row) for micro in (16, 32) for row in ("rope", "hf_twin (loss eager)",
+                                                                    "hf_twin (loss compiled)")]
+
+    # speedrun: the plan printed first, then every phase of the pair
+    speedrun = results_dir / "speedrun"
+    speedrun_log = (speedrun / "log.txt").read_text()
+    assert "[reproduce] GPU plan at the reference measurement (one NVIDIA H200, 2026-11-27" in speedrun_log
+    assert "data: 0.0M training tokens per model = 0.0 passes over the bundle's" in speedrun_log  # 3 steps of 128
+    assert "matplotlib is not installed" in speedrun_log
+    results = json.loads((speedrun / "results.json").read_text())
     schemes = ["rope", "coca_slack"]  # the speedrun's default pair
     assert list(results["training"]) == schemes
-    assert results["reference_plan"]["train_iters"] == 3410 and results["reference_plan"]["expected_minutes"] == 9.0
     for scheme in schemes:  # the in-training curve: an evaluation before step 1 and after each of the 3 steps
         curve = results["training"][scheme]["extrapolation_curve"]
         assert [row["step"] for row in curve] == [0, 1, 2, 3] and "extrapolation_ratio_x4" in curve[-1]
-    assert all(info["steps"] == 3 and info["action"] == "skipped (--only)" for info in results["training"].values())
+        assert all((speedrun / f"{scheme}_{name}").is_file() for name in ("metrics.jsonl", "train_log_tail.txt"))
+    assert all(info["steps"] == 3 for info in results["training"].values())
     probes = results["probe"]["probes"]
     assert set(probes) == set(schemes) and all(row["tokens_per_sec"] > 0 for row in probes.values())
     assert results["probe"]["plan"]["tokens_per_step"] == 4 * 32
     scalings = ["none", "dynamic:2", "dynamic:4", "dynamic:8"]
     cells = {(row["model"], row["scaling"], row["window"]) for row in results["perplexity"]}
-    assert cells == {(s, c, w) for s in schemes for c in scalings for w in (32, 64, 128) if s != "alibi" or c == "none"}
+    assert cells == {(s, c, w) for s in schemes for c in scalings for w in (32, 64, 128)}
     assert {row["length"] for row in results["passkey"]} == {256, 512}
-    assert results["plots"] == [] and not list(out.glob("*.png"))
-    phases = results["wall_seconds_all_invocations"]
-    assert {"data", "probe", "report", *(f"train {s}" for s in schemes), *(f"perplexity {s}" for s in schemes)} <= set(phases)
-    mix = (out / "data/mix.yml").read_text()
-    assert mix.count("type: megatron") == 2 and str(out / "data/bundle") in mix
-    tables = (out / "tables.md").read_text()
+    assert results["plots"] == [] and not list(speedrun.glob("*.png"))
+    phase_names = {name for call in json.loads((speedrun / "wall_times.json").read_text()) for name in call["phases"]}
+    assert {"data", "probe", "report", *(f"train {s}" for s in schemes), *(f"perplexity {s}" for s in schemes)} \
+        <= phase_names
+    tables = (speedrun / "tables.md").read_text()
     assert "# CoCA speedrun (dry run at toy size)" in tables and "## Probe and budget" in tables
     assert "## Extrapolation while training" in tables and "### When would the ratio reach 2?" in tables
-    (row,) = results_board.read_rows(tmp_path / "board.md", results_board.REPRODUCTIONS)
+    (row,) = results_board.read_rows(speedrun / "results_board.md", results_board.REPRODUCTIONS)
     assert (row["kind"], row["run"], row["length"]) == ("dry-run", "reproduce gpu-speedrun", "32")
     for scheme in schemes:  # windows 32 ... 128: 1x and 4x evaluated, 32x not
         once, four_times, thirty_two_times = row[f"{scheme} ppl ×1 / ×4 / ×32"].split(" / ")
         assert "–" not in once + four_times and thirty_two_times == "–", row
+
+    # fp8: bf16 trained; each FP8 choice accepted by the config, then stopped at its start on a CPU
+    fp8 = json.loads((results_dir / "fp8_summary.json").read_text())
+    assert [(row["run"], row["exit_code"]) for row in fp8["runs"]] == [
+        ("fp8_none", "0"), ("fp8_lm_head", "2"), ("fp8_mlp", "2"), ("fp8_all", "2")]
+    assert fp8["runs"][0]["tokens_per_sec"] > 0
+    assert log.count("stopped at its start, as it must on a CPU") == 3
 
 
 def test_a_corrupted_bundle_stops_the_run_in_one_line(tiny_bundle: Path, tmp_path: Path,
