@@ -433,3 +433,41 @@ def test_the_twins_loss_compiled_with_it_is_the_same_loss(monkeypatch: pytest.Mo
     assert calls == [wrapped]  # the wrapper, loss and all, not the twin alone
     with pytest.raises(ValueError, match="--twin-loss eager,jit: unknown value"):
         gpu_check_settings.parse_twin_losses("eager,jit")
+
+
+def test_acceptance_summaries_read_resumed_runs_and_the_twins_rows(tmp_path: Path) -> None:
+    """A resumed run's metrics.jsonl logs its steps after the checkpoint again: the resumed values count; the
+    vocab summary divides the users' tokens/s by each compiled row's."""
+    from megatron_lite.bench import gpu_check_acceptance as acceptance
+
+    def write_run(name: str, rows: list[dict[str, float]]) -> Path:
+        run = tmp_path / name
+        run.mkdir()
+        (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        (run / "config.yml").write_text("model:\n  seq_length: 512\n")
+        return run
+
+    step = {"tokens_per_sec": 1000.0}
+    killed = write_run("killed", [{"step": 1, "loss": 9.0, **step}, {"step": 2, "loss": 8.0, **step},
+                                  {"step": 3, "loss": 7.5, **step},  # past the save at 2: logged, then killed
+                                  {"step": 3, "loss": 7.0, **step}, {"step": 4, "loss": 6.5, **step}])
+    reference = write_run("reference", [{"step": 1, "loss": 9.0, **step}, {"step": 2, "loss": 8.0, **step},
+                                        {"step": 3, "loss": 7.01, **step}, {"step": 4, "loss": 6.48, **step}])
+    report = acceptance.resume_report(killed, reference, resumed_from=2)
+    assert report["after_the_resume"]["steps"] == [3, 4] and report["before_the_kill"]["max_abs_diff"] == 0
+    assert report["after_the_resume"]["max_abs_diff"] == pytest.approx(0.02)
+    assert "max abs difference 0.02 over steps 3-4" in acceptance.resume_markdown(report)
+
+    gpu_check_json = tmp_path / "gpu_check.json"
+    gpu_check_json.write_text(json.dumps({"throughput": {"rows": [
+        {"model": "rope", "mode": "eager", "tokens_per_sec": 100.0},
+        {"model": "hf_twin", "mode": "compiled", "twin_loss": "eager", "status": "ok", "micro_batch": 16,
+         "tokens_per_sec": 500.0},
+        {"model": "hf_twin", "mode": "compiled", "twin_loss": "compiled", "status": "ok", "micro_batch": 16,
+         "tokens_per_sec": 800.0}]}}))
+    runs = acceptance.runs_report([("users", reference), ("other", killed)], {"users": gpu_check_json})
+    assert [row["run"] for row in runs["runs"]] == ["users", "other"]
+    assert runs["runs"][1]["max_abs_loss_diff"] == pytest.approx(0.02)
+    assert [(row["row"], row["run_over_row"]) for row in runs["throughput"]] == [
+        ("hf_twin (loss eager)", 2.0), ("hf_twin (loss compiled)", 1.25)]
+    assert "| users | hf_twin (loss compiled) | ok | 16 | 800 | 1.25 |" in acceptance.runs_markdown(runs)
