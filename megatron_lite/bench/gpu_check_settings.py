@@ -32,7 +32,7 @@ SECTIONS = ("env", "parity", "memory", "throughput", "sequence_parallel", "train
 QUICK_SECTIONS = ("env", "parity", "memory", "throughput", "users_command", "sync")
 SCHEMES = LABELS  # every scheme, by label (the default of a full check)
 QUICK_SCHEMES = ("rope", "coca_slack")
-QUICK_MICRO_BATCH = 64  # x 512 tokens: the batch of the first GPU run's throughput rows
+QUICK_MICRO_BATCH = 64  # x 512 tokens: a batch at which the 350M step is the GPU's work, not the host's
 # seconds a section may take before its remaining rows are skipped (a row started in time runs to its end)
 FULL_BUDGET_S = 480.0
 # (users_command: a run started within it runs to its own timeout, gpu_check.USERS_TIMEOUT_S)

@@ -48,7 +48,7 @@ FEWER_LAUNCHES = "train.compile_options=" + yaml.safe_dump(FEWER_LAUNCHES_INDUCT
 # first compile ~1.3x longer (tools/bench_train.py --compile-time)
 BLOCKS_OF_4 = "train.compile_blocks_per_region=4"
 USERS_VARIANTS: dict[str, tuple[str, ...]] = {
-    # train.cuda_graphs is on by default for this config on a GPU (Run 4): the run without them, for comparison
+    # train.cuda_graphs is on by default for this config on a GPU: the run without them, for comparison
     "no_cuda_graphs": ("train.cuda_graphs=false",), "cpp_wrapper": ("train.compile_cpp_wrapper=true",),
     # the LayerNorms' weight and bias gradients summed in Triton kernels instead of 4 ATen sums per block and micro
     # batch (docs/performance.md)
@@ -82,7 +82,7 @@ def users_arguments(mix: Path, tokenizer: Path, vocab_size: int, run_dir: Path, 
             f"data.tokenizer.model={json.dumps(str(tokenizer))}", f"model.vocab_size={vocab_size}",
             "train.train_epochs=1", f"train.train_iters={iters + profiled}", f"train.log_interval={log_interval}",
             "train.eval_interval=0", "train.save_interval=0", "train.save_final=false", "train.wandb.mode=disabled"]
-    if profiled:  # shapes (trace, _shapes.txt): which tensors an operator took (Run 3: 4 aten::sum per block, unplaced)
+    if profiled:  # shapes (trace, _shapes.txt): which tensors an operator took (e.g. which sums a block's backward runs)
         sets += [f"train.profile.start_step={iters + 1}", f"train.profile.steps={profiled}",
                  "train.profile.record_shapes=true", f"train.profile.row_limit={USERS_PROFILE_ROWS}"]
     if micro_batch:
