@@ -1,5 +1,5 @@
-"""Every relative link in README.md and docs/*.md leads somewhere: the file exists and, for
-`path#anchor` or `#anchor`, the target has a heading with that anchor under GitHub's slug rules.
+"""Every relative link in README.md, docs/*.md, dev/README.md and the run records' READMEs leads somewhere:
+the file exists and, for `path#anchor` or `#anchor`, the target has a heading with that anchor under GitHub's slug rules.
 Pure file reading, no rendering."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "dev" / "README.md",
+             *sorted((REPO / "benchmarks").rglob("README.md")), REPO / "benchmarks" / "runs" / "TEMPLATE.md"]
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 INLINE_CODE = re.compile(r"(`+)(.+?)\1")
