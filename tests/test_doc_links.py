@@ -1,6 +1,6 @@
 """Every relative link in README.md, docs/*.md, dev/README.md and the run records' READMEs leads somewhere:
-the file exists and, for `path#anchor` or `#anchor`, the target has a heading with that anchor under GitHub's slug rules.
-Pure file reading, no rendering."""
+the file exists and, for `path#anchor` or `#anchor`, the target has a heading with that anchor under GitHub's
+slug rules. Pure file reading, no rendering."""
 
 from __future__ import annotations
 
