@@ -129,6 +129,7 @@ users_finish() {  # NAME: its exit code
   local name=$1 run=$WORK/runs/$1 rc
   wait "$LAUNCHED"
   rc=$?
+  LAUNCHED=""
   echo "$rc" > "$run.exit"
   [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$OUT/${name}_metrics.jsonl"
   echo "[t=$(el)] $name exited $rc: $(grep -a '^done:\|^error:' "$OUT/${name}_log.txt" | tail -n 1)"
