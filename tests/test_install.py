@@ -32,8 +32,8 @@ PIP_TIMEOUT = 900  # s: the CUDA wheels are ~2.5 GB
 
 def own_torch_command() -> str:
     """The README's install command for a machine with its own torch (the pip part of its line)."""
-    block = re.search(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S).group(1)
-    (line,) = [line for line in block.splitlines() if "constraints-no-torch.txt" in line]
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    (line,) = [line for block in blocks for line in block.splitlines() if "constraints-no-torch.txt" in line]
     (pip,) = [part.strip() for part in line.split("&&") if part.strip().startswith("pip install")]
     return pip
 
