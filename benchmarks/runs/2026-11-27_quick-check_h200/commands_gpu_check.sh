@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# 2026-11-27 (eighth session), call A, issue 35: the CUDA tests, then the quick check trimmed to leave the pair run
-# (call B) the rest of the 15 minutes. Everything lands in /tmp/res_a and comes back as two archives (8-file limit).
-# Usage: bash .gpu/call_a.sh OUT CHECK_BUDGET_S [extra gpu_check.py arguments]
+# The commands of the 2026-11-27 quick check, as run: the CUDA tests, then the quick check with a budget that
+# left the rest of the job to the speedrun pair (2026-11-27_speedrun-pair_h200). Results in /tmp/res_a, brought
+# back as two archives. The script paths are those of the time; today's: tools/gpu/check_gpu.sh.
+# Usage then: bash SCRIPT OUT CHECK_BUDGET_S [extra gpu_check.py arguments]
 set -u
 OUT=$1; BUDGET=$2; shift 2; R=/tmp/res_a; rm -rf "$R"; mkdir -p "$R"; T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/whl/*.whl

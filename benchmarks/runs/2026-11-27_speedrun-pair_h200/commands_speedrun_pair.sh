@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# 2026-11-27 (eighth session), call B, issue 36: the gpu-speedrun pair (RoPE, CoCA slack) with the in-training curve in
-# what the device time left after call A, a lighter final evaluation so that training gets most of it.
-# Usage: bash .gpu/call_b.sh OUT SPEEDRUN_BUDGET_S [extra reproduce.py arguments]
+# The commands of the 2026-11-27 speedrun pair, as run: the gpu-speedrun pair (RoPE, CoCA slack) with the
+# in-training curve, after the quick check on the same machine, with a lighter final evaluation so that training
+# gets most of the budget. The script paths are those of the time; today's:
+# tools/gpu/speedrun_pair.sh. Usage then: bash SCRIPT OUT SPEEDRUN_BUDGET_S [extra reproduce.py arguments]
 set -u
 OUT=$1; export SPEEDRUN_BUDGET=$2; shift 2; R=/tmp/res_b; rm -rf "$R"; mkdir -p "$R"
 WHEELS=${CALL_B_WHEELS:-.gpu/whl}; [ -d /tmp/site/deepspeed ] && WHEELS=-  # installed by call A on this warm machine

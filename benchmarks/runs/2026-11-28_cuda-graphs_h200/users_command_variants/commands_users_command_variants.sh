@@ -1,19 +1,16 @@
 #!/usr/bin/env bash
-# Prepared 2026-11-28 (eleventh session, no GPU): call B, right after call_a.sh on the same warm machine (its
-# wheels in /tmp/site). In priority order, as the session's remaining device time may cut it short:
+# The commands of the 2026-11-28 users' variants, as run right after ../commands_gpu_check.sh on the same machine
+# (its wheels in /tmp/site), in priority order so that a cut job keeps the first ones:
 #   1. the users' command at micro batch 16 with inductor's combo kernels and without its mix-order reduction
-#      (USERS_VARIANTS' fewer_launches, added in the thirteenth session: 41 -> 28 launches per block and micro batch),
-#      then with those and 4 blocks per compiled region as well (fewer_launches_blocks_of_4, added in the fifteenth
-#      session: the two host levers that ask nothing of a user's machine, together), then at micro batch 32 (its
-#      --users-micro-batch 32 row), then at 16 with 4 blocks per region alone (blocks_of_4, fourteenth session: 50 ->
-#      14 region calls per micro batch), then at 16 with train.compile_cpp_wrapper=true (gpu_check's
-#      --users-cpp-wrapper 16 row: a C++ build on the user's machine, the least likely default), run alone: call A
-#      ran the plain and the CUDA graphs rows at 16 -> users_b.json (the rows), each run's log, metrics and profile
+#      (fewer_launches: 41 -> 28 launches per block and micro batch), then with those and 4 blocks per compiled
+#      region as well (fewer_launches_blocks_of_4), then at micro batch 32, then at 16 with 4 blocks per region
+#      alone (blocks_of_4: 50 -> 14 region calls per micro batch), then at 16 with train.compile_cpp_wrapper=true
+#      (not reached) -> users_b.json (the rows), each run's log, metrics and profile
 #   2. the speedrun's throughput probe (30 steps each of rope and coca_slack, 41.6M, ZeRO 1) with
-#      train.cuda_graphs true, then false -> probe_{true,false}.txt / .json
-# Everything but the traces is re-packed into OUT/results.tar.xz after each stage and each trace copied to OUT, so
-# that a call cut short still brings back what it measured in at most a few files (the device tool takes 8).
-#   run: bash .gpu/call_b.sh "$OUT"     (device tool: carry [".gpu"], timeout_s: what is left, <= 500)
+#      train.cuda_graphs true, then false -> probe_{true,false}.txt / .json (not reached)
+# Everything but the traces is re-packed into OUT/results.tar.xz after each stage and each trace copied to OUT.
+# The script paths are those of the time; today's packing is tools/gpu/pack_results.sh. Two variables below
+# switched a CPU dry run of the script (CUDA rows skipped, no probes).
 set -u
 OUT=$1; RES=/tmp/res_b; rm -rf "$RES"; mkdir -p "$RES"
 T0=$(date +%s); el() { echo $(( $(date +%s) - T0 )); }
