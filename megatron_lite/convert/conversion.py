@@ -37,6 +37,7 @@ from megatron_lite.convert.sharded import open_shards, write_consolidated_shards
 from megatron_lite.convert.universal import convert_step_to_universal
 from megatron_lite.model.gpt import DTYPES
 from megatron_lite.model.variants import variant_named, variant_of_position
+from megatron_lite.processes import pid_alive
 from megatron_lite.weights import check_tensors, expected_shapes, load_state_dict, save_consolidated_metadata
 
 TARGETS = ("hf", "safetensors", "megatron_lite", "universal")
@@ -90,22 +91,12 @@ def rope_to_coca(config: Config, constraint: str) -> Config:
     return config_lib.from_dict(data)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
 def _remove_dead_stagings(output: Path) -> None:
     """Staging folders beside ``output`` (``.<name>.partial-<pid>``) that conversions killed before their rename
     left (a kill skips their clean-up) and whose process on this host is gone: removed, with a notice each."""
     for stale in sorted(output.parent.glob(f".{output.name}.partial-*")):
         pid = stale.name.rsplit("-", 1)[1]
-        if is_staging_dir(stale.name) and stale.is_dir() and not _pid_alive(int(pid)):
+        if is_staging_dir(stale.name) and stale.is_dir() and not pid_alive(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
             if not stale.exists():
                 notice(f"{stale}: removed, the staging folder of a conversion to {output} that did not finish")

@@ -36,6 +36,7 @@ from typing import Any
 
 from megatron_lite.cli import cli_main, run_cli, seconds_from_env
 from megatron_lite.console import notice
+from megatron_lite.processes import pid_alive
 
 LOCK_FILE = "run.lock"
 RUN_LOCK_HEARTBEAT_ENV = "MEGATRON_LITE_RUN_LOCK_HEARTBEAT_SECONDS"
@@ -66,7 +67,7 @@ class LockHolder:
     def gone_because(self, host: str) -> str | None:
         """Why the holder no longer runs (a dead pid on this host, a stale heartbeat elsewhere), else None."""
         if self.host == host:
-            return None if _pid_alive(self.pid) else f"its process {self.pid} is gone"
+            return None if pid_alive(self.pid) else f"its process {self.pid} is gone"
         if self.age > STALE_HEARTBEATS * self.heartbeat_seconds:
             return f"no heartbeat for {self.age:.0f} s"
         return None
@@ -74,18 +75,6 @@ class LockHolder:
 
 def heartbeat_seconds() -> float:
     return seconds_from_env(RUN_LOCK_HEARTBEAT_ENV, DEFAULT_HEARTBEAT_SECONDS)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:  # a damaged lock's; os.kill would address a process group
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 def read_holder(path: Path) -> LockHolder | None:
