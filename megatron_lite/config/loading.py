@@ -559,13 +559,18 @@ def merge_under(base: dict[str, Any], child: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def merge_chain(chain: list[tuple[Path, dict[str, Any]]]) -> dict[str, Any]:
+    """A ``read_chain`` merged: each file's own keys over its base's."""
+    merged: dict[str, Any] = {}
+    for _, data in reversed(chain):
+        merged = merge_under(merged, data)
+    return merged
+
+
 def read_yaml_mapping(path: Path, missing: str) -> dict[str, Any]:
     """The top-level mapping of a YAML config or mix file with its ``base:`` chain merged in (the file's
     own keys over its base's, see ``read_chain``); empty for an empty file."""
-    merged: dict[str, Any] = {}
-    for _, data in reversed(read_chain(path, missing)):
-        merged = merge_under(merged, data)
-    return merged
+    return merge_chain(read_chain(path, missing))
 
 
 def load(path: str | Path, overrides: list[str] | None = None) -> Config:
@@ -573,10 +578,7 @@ def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     under where it came from: ``--set KEY=VALUE``, the config file, or the base file that set it."""
     path, overrides = Path(path), overrides or []
     chain = read_chain(path, "" if path.is_file() else missing_file_message(path, "config file"))
-    data: dict[str, Any] = {}
-    for _, mapping in reversed(chain):
-        data = merge_under(data, mapping)
-    data = apply_overrides(data, overrides)  # its errors name the override
+    data = apply_overrides(merge_chain(chain), overrides)  # its errors name the override
     try:
         return from_dict(data)
     except ValueError as error:
