@@ -17,6 +17,7 @@ from megatron_lite.data.blend import (
     greedy_interleave,
     interleave,
     load_or_build,
+    sample_order,
     source_stream,
     split_documents,
 )
@@ -107,14 +108,15 @@ def test_source_stream_packs_windows_with_one_token_overlap_over_reshuffled_epoc
     documents = np.arange(5, 30)  # documents 0..4 held out
     seq = 16
     doc_order, sample_idx, epochs = source_stream(lengths, documents, 200, seq, 3, "src", "train")
-    assert epochs == -(-(200 * seq + 1) // int(lengths[documents].sum())) and epochs >= 3
+    draws = sample_order(200, int(lengths[documents].sum()), seq, 3, "src", "train")  # stream sample of each draw
+    assert epochs == -(-((draws.max() + 1) * seq + 1) // int(lengths[documents].sum())) and epochs >= 3
     per_epoch = doc_order.reshape(epochs, len(documents))
     for epoch in per_epoch:
         assert sorted(epoch) == documents.tolist()  # each epoch: every document exactly once
     assert len({tuple(e) for e in per_epoch}) == epochs  # reshuffled every epoch
     # Token t of document d is starts[d] + t: the stream is checkable position by position.
     stream = np.concatenate([np.arange(starts[d], starts[d + 1]) for d in doc_order])
-    for j, (position, offset) in enumerate(sample_idx):
+    for j, (position, offset) in zip(draws, sample_idx):
         window = []
         p, o = int(position), int(offset)
         while len(window) < seq + 1:
@@ -125,6 +127,20 @@ def test_source_stream_packs_windows_with_one_token_overlap_over_reshuffled_epoc
     # Prefix stable: fewer samples give the same beginning.
     _, fewer, _ = source_stream(lengths, documents, 50, seq, 3, "src", "train")
     np.testing.assert_array_equal(fewer, sample_idx[:50])
+
+
+def test_sample_order_permutes_each_sample_epoch_whole():
+    per_epoch = 1000 // 16  # tokens per epoch // seq_length
+    order = sample_order(150, 1000, 16, 3, "src", "train")
+    for epoch in range(2):  # each complete sample epoch: a permutation of its own stream samples
+        block = order[epoch * per_epoch:(epoch + 1) * per_epoch]
+        assert sorted(block) == list(range(epoch * per_epoch, (epoch + 1) * per_epoch))
+        assert not np.array_equal(block, np.sort(block))
+    assert set(order[2 * per_epoch:]) <= set(range(2 * per_epoch, 3 * per_epoch))
+    np.testing.assert_array_equal(sample_order(40, 1000, 16, 3, "src", "train"), order[:40])  # prefix-stable
+    assert not np.array_equal(sample_order(40, 1000, 16, 4, "src", "train"), order[:40])  # the seed moves it
+    assert not np.array_equal(sample_order(40, 1000, 16, 3, "src", "valid"), order[:40])  # so does the split
+    np.testing.assert_array_equal(sample_order(5, 10, 16, 3, "src", "train"), np.arange(5))  # < 1 sample per epoch
 
 
 def _sources(seed: int = 0) -> list[BlendSource]:

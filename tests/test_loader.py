@@ -41,12 +41,14 @@ def decode(token: int) -> tuple[int, int]:
     return token // 10**7, (token % 10**7) // 1000
 
 
-def write_cache(cache_dir: Path, weights: dict[str, float] | None = None) -> tuple[Path, Manifest]:
+def write_cache(cache_dir: Path, weights: dict[str, float] | None = None,
+                document_tokens: tuple[int, int] = (5, 300)) -> tuple[Path, Manifest]:
+    """Shards of SOURCES whose documents have ``document_tokens`` (low, high) tokens, and their mix file."""
     rng = np.random.default_rng(0)
     manifest = Manifest(TokenizerRecord(path="tokenizer/tokenizer.model", sha256="", vocab_size=VOCAB, eod_id=EOD, pad_id=1))
     groups: dict = {"text": {"weight": 0.75, "sources": {}}, "code": {"weight": 0.25, "sources": {}}}
     for name, (group, num_documents, num_shards) in SOURCES.items():
-        lengths = rng.integers(5, 300, size=num_documents)
+        lengths = rng.integers(*document_tokens, size=num_documents)
         shards = []
         for k, documents in enumerate(np.array_split(np.arange(num_documents), num_shards)):
             prefix = f"shards/{name}/{name}_{k:05d}_text_document"
@@ -165,6 +167,23 @@ def test_resume_equals_uninterrupted_stream(cache, world_size):
                 torch.testing.assert_close(resumed[i]["input_ids"], full.dataset[expected[i]]["input_ids"])
 
 
+def test_a_global_batch_of_long_documents_draws_from_across_the_corpus(tmp_path):
+    """Documents of ~30 samples each: consecutive windows would put 1-3 documents per source in a batch; the
+    shuffled order spans at least half as many documents as the batch has samples, and the index's own count
+    (documents_per_batch, which tools/inspect_data.py prints) agrees with the tokens' content."""
+    mix, manifest = write_cache(tmp_path, document_tokens=(900, 1000))
+    train = build_train_valid_datasets(make_config(tmp_path, mix).data, SEQ, manifest, 4 * 64, 0)[0]
+    counts = []
+    for batch in np.array_split(np.stack(stream(train)), 4):  # 4 global batches of 64 samples
+        counts.append(len({decode(int(token)) for token in batch.ravel() if token != EOD}))
+    assert min(counts) >= 64 // 2, counts
+    from megatron_lite.data.batch_documents import documents_per_batch
+    from megatron_lite.data.loader import document_lengths
+
+    lengths = [document_lengths(source) for source in train.dataset.sources]
+    np.testing.assert_array_equal(documents_per_batch(train.dataset.index.arrays, lengths, SEQ, 64), counts)
+
+
 def test_validation_documents_never_in_training_samples(cache):
     cache_dir, mix, manifest = cache
     train, valid = build_train_valid_datasets(make_config(cache_dir, mix).data, SEQ, manifest, 3000, 400)
@@ -272,6 +291,14 @@ def test_inspect_data_json(cache, tmp_path, capsys):
     # The tool is a thin CLI: the same figures as the library call (config defaults: seed 1234, 1% held out).
     direct = data_report(make_config(cache_dir, mix, seed=1234, validation_fraction=0.01).data, SEQ, manifest, 1000)
     assert direct["source_token_share"] == report["source_token_share"]
+    # the default global batch (train_batch_size null: one micro batch of 16 on one rank) over 1000 samples
+    batches = report["documents_per_batch"]
+    assert (batches["global_batch"], batches["batches"]) == (16, 62) and 8 <= batches["min"] <= batches["mean"]
+    run = report["run"]  # the config's 2 epochs: every source's tokens held, drawn and passes
+    assert run["tokens_drawn"] == run["steps"] * 16 * SEQ and run["warning"] is None
+    assert sum(row["tokens_drawn"] for row in run["sources"].values()) == pytest.approx(run["tokens_drawn"])
+    for row in run["sources"].values():
+        assert row["passes"] == pytest.approx(row["tokens_drawn"] / row["tokens_held"])
 
 
 def test_inspect_data_without_manifest(tmp_path, capsys, monkeypatch):

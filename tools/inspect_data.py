@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Show what training will read: token shares of the first N samples, sources, one decoded sample.
+"""Show what training will read: token shares of the first N samples, sources, distinct documents per global
+batch, what the run draws from each source (tokens held, drawn, passes), one decoded sample.
 
     python tools/inspect_data.py --config configs/tiny/coca_slack.yml --num-samples 10000 [--json]
 
@@ -18,8 +19,12 @@ from megatron_lite import config as config_lib
 from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.config import Config
 from megatron_lite.data.loader import data_report, decode_tokens
+from megatron_lite.data.eval_overlap import evaluation_line
 from megatron_lite.data.manifest import Manifest, load_manifest, manifest_path
+from megatron_lite.data.mix import load_mix, repeat_warning
 from megatron_lite.data.preprocess import prepare_data
+from megatron_lite.training.data import run_passes, total_steps_for
+from megatron_lite.training.deepspeed_config import BatchSizes, resolve_batch_sizes
 
 
 def ensure_manifest(config: Config) -> Manifest:
@@ -41,10 +46,31 @@ def format_text(report: dict) -> str:
         lines.append(f"| {name} | {s['group']} | {s['documents']:,} | {s['tokens']:,} | {s['train_documents']:,} | "
                      f"{s['validation_documents']:,} | {s['weight_in_group']:.4f} | {s['epochs']} | "
                      f"{report['source_token_share'][name]:.4f} |")
+    batches = report["documents_per_batch"]
+    lines += ["", f"distinct documents per global batch of {batches['global_batch']:,} samples "
+              f"({batches['batches']:,} batches): min {batches['min']:,}, mean {batches['mean']:,.1f}"]
+    run = report["run"]
+    lines += ["", f"the run: {run['steps']:,} steps ({run['steps_source']}) draw {run['tokens_drawn']:,} tokens",
+              "| source | tokens held | tokens drawn | passes |", "|---|---|---|---|"]
+    for name, row in run["sources"].items():
+        lines.append(f"| {name} | {row['tokens_held']:,.0f} | {row['tokens_drawn']:,.0f} | {row['passes']:.2f} |")
+    if run["warning"]:
+        lines.append(f"warning: {run['warning']}")
     sample = report["sample"]
+    lines += ["", report["evaluation"]] if "evaluation" in report else []
     lines += ["", f"sample 0 ({sample['source']}, {sample['group']}):"]
     lines.append(sample["text"] if sample.get("text") is not None else f"token ids: {sample['input_ids']}")
     return "\n".join(lines) + "\n"
+
+
+def run_report(config: Config, manifest: Manifest, batch: BatchSizes) -> dict:
+    """What the configured run draws from each source (train.py prints the same at its start)."""
+    steps, steps_source = total_steps_for(config, manifest, batch, None)
+    rows = run_passes(config, manifest, load_mix(config.data.mix), steps, batch)
+    return {"steps": steps, "steps_source": steps_source, "tokens_drawn": steps * batch.tokens_per_step(
+                config.model.seq_length), "warning": repeat_warning(rows),
+            "sources": {row.name: {"group": row.group, "tokens_held": row.tokens_held,
+                                   "tokens_drawn": row.tokens_drawn, "passes": row.passes} for row in rows}}
 
 
 @cli_main
@@ -59,8 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError(f"--num-samples={args.num_samples}: must be positive")
     config = config_lib.load(args.config, args.set)
     manifest = ensure_manifest(config)
-    report = data_report(config.data, config.model.seq_length, manifest, args.num_samples)
+    batch = resolve_batch_sizes(config, 1)  # the global batch is the same on every world size
+    report = data_report(config.data, config.model.seq_length, manifest, args.num_samples,
+                         global_batch=batch.global_batch_size)
+    report["run"] = run_report(config, manifest, batch)
     report["sample"]["text"] = decode_tokens(report["sample"]["input_ids"], config.data.cache_dir, manifest)
+    report["evaluation"] = evaluation_line(manifest)  # the evaluation texts checked, the training documents dropped
     print(json.dumps(report, indent=2) if args.json else format_text(report), end="\n" if args.json else "")
     return 0
 

@@ -12,11 +12,16 @@ each permuted at random. That moves a prefix count by at most block // 2, so wit
 window is exact within 1 + 2 * (block // 2) = 5 samples (0.5% of 1000; measured <= 2 for 75/25,
 50/50 and three-group mixes).
 
-A source's sample j is tokens [j * seq_length, j * seq_length + seq_length + 1) of its stream
-(its split's documents, shuffled per epoch with seed (seed, source, epoch), epochs concatenated),
-so every sample has one length and sample shares are token shares. Everything is a pure function
-of its arguments and prefix-stable: more samples extend the order, never change its beginning.
-``load_or_build`` caches the arrays as .npy under ``<root>/<hash of inputs>/``.
+A source's stream sample j is tokens [j * seq_length, j * seq_length + seq_length + 1) of its
+stream (its split's documents, shuffled per epoch with seed (seed, source, epoch), epochs
+concatenated), so every sample has one length and sample shares are token shares. The source's
+d-th draw is not stream sample d but a shuffled one (Megatron's ``shuffle_idx``): the stream
+samples are cut into sample epochs of P = tokens per epoch // seq_length samples and each is
+permuted with seed (seed, source, split, sample epoch), so consecutive draws come from across
+the whole source instead of being consecutive windows of one document. Everything is a pure
+function of its arguments and prefix-stable: more samples extend the order, never change its
+beginning (a sample epoch is always permuted whole). ``load_or_build`` caches the arrays as .npy
+under ``<root>/<hash of inputs>/``.
 """
 
 from __future__ import annotations
@@ -33,14 +38,15 @@ from typing import Any
 
 import numpy as np
 
+from megatron_lite.data.rank_zero_wait import RankZeroBuild
 from megatron_lite.files import json_sha256, temporary_sibling
 
-INDEX_FORMAT_VERSION = 1
+INDEX_FORMAT_VERSION = 2  # 2: draws of a source are its stream samples shuffled per sample epoch
 DEFAULT_SHUFFLE_BLOCK = 4
 SPLITS = ("train", "valid")
 # Every random decision draws from its own default_rng([seed, TAG, ...]): changing one (e.g. the
 # number of epochs) never shifts another's random stream.
-_TAG_SPLIT, _TAG_EPOCH, _TAG_GROUP_ORDER, _TAG_SOURCE_ORDER = 1, 2, 3, 4
+_TAG_SPLIT, _TAG_EPOCH, _TAG_GROUP_ORDER, _TAG_SOURCE_ORDER, _TAG_SAMPLE_ORDER = 1, 2, 3, 4, 5
 _TIE_TOLERANCE = 1e-9  # |error difference| below this is a tie either way (float rounding)
 
 
@@ -159,15 +165,36 @@ def split_documents(num_documents: int, validation_fraction: float, seed: int, s
     return np.sort(permutation[num_valid:]), np.sort(permutation[:num_valid])
 
 
+def sample_order(num_samples: int, tokens_per_epoch: int, seq_length: int, seed: int, source: str, split: str
+                 ) -> np.ndarray:
+    """(num_samples,) the stream sample each draw of a source reads: a seeded permutation per sample epoch.
+
+    Sample epoch e holds stream samples [e * P, (e + 1) * P), P = max(1, tokens_per_epoch // seq_length)
+    (about one pass over the source's tokens), permuted with seed (seed, source, split, e). Whole sample
+    epochs are permuted, so the order is prefix-stable in num_samples. int32 where it fits: ~4 bytes and
+    ~10 ns per sample of the last epoch (numpy's Fisher-Yates shuffle).
+    """
+    per_epoch = max(1, tokens_per_epoch // seq_length)
+    epochs = -(-num_samples // per_epoch)
+    dtype = np.int32 if epochs * per_epoch < 2**31 else np.int64
+    order = np.arange(epochs * per_epoch, dtype=dtype)  # (E*P,) then permuted in place, epoch by epoch
+    if per_epoch > 1:
+        key, split_tag = stable_key(source), SPLITS.index(split)
+        for epoch in range(epochs):
+            _rng(seed, _TAG_SAMPLE_ORDER, key, split_tag, epoch).shuffle(order[epoch * per_epoch:(epoch + 1) * per_epoch])
+    return order[:num_samples]
+
+
 def source_stream(
     doc_lengths: np.ndarray, documents: np.ndarray, num_samples: int, seq_length: int, seed: int, source: str, split: str
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Pack one source's documents into samples of seq_length + 1 tokens.
+    """Pack one source's documents into samples of seq_length + 1 tokens, in shuffled draw order.
 
     doc_lengths: (num_documents,) tokens per document of the source; documents: (M,) ids in the
     split. Returns doc_order (E*M,) document ids of the stream (epoch e = a permutation seeded by
     (seed, source, split, e)), sample_idx (num_samples, 2) = (position in doc_order, token offset
-    in that document) where sample j starts, and the number of epochs E.
+    in that document) where the d-th draw starts (stream sample ``sample_order(...)[d]``), and the
+    number of document epochs E the stream needs.
     """
     lengths = np.asarray(doc_lengths, dtype=np.int64)[documents]  # (M,)
     tokens_per_epoch = int(lengths.sum())
@@ -175,15 +202,16 @@ def source_stream(
         return np.empty(0, np.int64), np.empty((0, 2), np.int64), 0
     if tokens_per_epoch == 0:
         raise ValueError(f"source {source!r}: no {split} tokens to draw {num_samples} samples from")
-    # The last sample reads one token past its window (the label of its last position).
-    epochs = -(-(num_samples * seq_length + 1) // tokens_per_epoch)
+    draws = sample_order(num_samples, tokens_per_epoch, seq_length, seed, source, split)  # (num_samples,)
+    # The stream reaches the last sample drawn, one token past its window (the label of its last position).
+    epochs = -(-((int(draws.max()) + 1) * seq_length + 1) // tokens_per_epoch)
     split_tag = SPLITS.index(split)
     key = stable_key(source)
     permutation = np.concatenate(
         [_rng(seed, _TAG_EPOCH, key, split_tag, epoch).permutation(len(documents)) for epoch in range(epochs)]
     )  # (E*M,) positions into `documents`
     ends = np.cumsum(lengths[permutation])  # (E*M,) exclusive end token of each stream document
-    starts = np.arange(num_samples, dtype=np.int64) * seq_length  # (num_samples,) stream positions
+    starts = draws.astype(np.int64) * seq_length  # (num_samples,) stream positions of the draws
     position = np.searchsorted(ends, starts, side="right")  # first document ending after the start
     offset = starts - (ends[position] - lengths[permutation[position]])
     doc_order = np.asarray(documents, dtype=np.int64)[permutation]
@@ -371,18 +399,26 @@ def load_or_build(
     """The index for ``inputs`` under ``root/<index_key(inputs)>``: built by the builder if missing.
 
     The builder (rank 0) writes it atomically; with torch.distributed initialised every rank then
-    meets at a barrier, otherwise non-builders poll for meta.json (written last) up to the timeout.
+    waits for it, as long as that takes, and stops with it if it failed (data/rank_zero_wait.py: no
+    collective timeout); otherwise non-builders poll for meta.json (written last) up to the timeout.
     """
     directory = Path(root) / index_key(inputs)
     built = False
-    if is_builder and not (directory / "meta.json").is_file():
-        start = time.perf_counter()
-        blend = build()
-        _write(directory, blend, dict(inputs), time.perf_counter() - start)
-        built = True
     dist = _distributed()
-    if dist is not None:
-        dist.barrier()
+    waiting = RankZeroBuild(str(directory)) if dist is not None else None  # before the build: every rank makes it
+    try:
+        if is_builder and not (directory / "meta.json").is_file():
+            start = time.perf_counter()
+            blend = build()
+            _write(directory, blend, dict(inputs), time.perf_counter() - start)
+            built = True
+    except Exception:
+        if waiting is not None:
+            waiting.failed_anywhere(True)  # the other ranks stop with this one, not at a timeout
+        raise
+    if waiting is not None:
+        if waiting.failed_anywhere(False):
+            raise ValueError(f"{directory}: rank 0 could not build the sample index (see its message)")
     elif not is_builder:
         deadline = time.monotonic() + wait_timeout_s
         while not (directory / "meta.json").is_file():

@@ -44,6 +44,7 @@ from torch.utils.data import DataLoader, Dataset
 from megatron_lite.config import DataConfig, MixConfig
 from megatron_lite.console import notice
 from megatron_lite.data import blend
+from megatron_lite.data.batch_documents import documents_per_batch
 from megatron_lite.data.indexed import IndexedDataset
 from megatron_lite.data.manifest import Manifest
 from megatron_lite.data.mix import group_weights, load_mix
@@ -373,10 +374,11 @@ def build_train_valid_datasets(
 
 
 def data_report(data: DataConfig, seq_length: int, manifest: Manifest, num_samples: int, *,
-                mix: MixConfig | None = None) -> dict[str, Any]:
+                mix: MixConfig | None = None, global_batch: int | None = None) -> dict[str, Any]:
     """What tools/inspect_data.py prints: token shares of the first ``num_samples`` training samples
     (all samples have seq_length tokens, so sample shares are token shares), per-source counts,
-    and sample 0."""
+    the distinct documents per global batch of ``global_batch`` samples (min and mean over the
+    complete batches among them), and sample 0."""
     dataset = build_blended_dataset(data, seq_length, manifest, "train", num_samples, mix=mix)
     counts = np.bincount(np.asarray(dataset.blend_source), minlength=len(dataset.source_names))  # (sources,)
     source_share = {name: float(c) / num_samples for name, c in zip(dataset.source_names, counts)}
@@ -395,7 +397,12 @@ def data_report(data: DataConfig, seq_length: int, manifest: Manifest, num_sampl
             "weight_in_group": meta["weight_in_group"], "epochs": meta["epochs"], "skipped": record.skipped,
         }
     first = dataset[0]
+    batch = min(global_batch or num_samples, num_samples)  # fewer samples than a batch: one short batch
+    lengths = [document_lengths(source) for source in dataset.sources]
+    per_batch = documents_per_batch(dataset.index.arrays, lengths, dataset.seq_length, batch)
     return {
+        "documents_per_batch": {"global_batch": batch, "batches": len(per_batch), "min": int(per_batch.min()),
+                                "mean": float(per_batch.mean())},
         "num_samples": num_samples, "seq_length": dataset.seq_length, "index": str(dataset.index.directory),
         "group_token_share": group_share, "source_token_share": source_share,
         "group_weights": dataset.index.meta["group_weights"], "sources": sources,

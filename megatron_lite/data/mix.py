@@ -18,6 +18,8 @@ proportions unless every source of the group sets ``weight``. The dataclasses li
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_lite.config import MixConfig, SourceConfig, parse_dataclass
@@ -87,3 +89,56 @@ def group_weights(mix: MixConfig) -> dict[str, float]:
     """Group token shares normalised to sum to 1."""
     total = sum(group.weight for group in mix.groups.values())
     return {name: group.weight / total for name, group in mix.groups.items()}
+
+
+# A source read more than this many times while another is read less than once: the mix's sizes and weights
+# disagree (repeated text overfits while the other source is not even read through).
+REPEAT_WARNING_PASSES = (3.0, 1.0)
+
+
+@dataclass(frozen=True)
+class SourcePasses:
+    """What a run draws from one source: ``tokens_drawn`` / ``tokens_held`` passes over its training tokens."""
+
+    name: str
+    group: str
+    tokens_held: float
+    tokens_drawn: float
+
+    @property
+    def passes(self) -> float:
+        return self.tokens_drawn / self.tokens_held if self.tokens_held > 0 else math.inf
+
+
+def source_passes(mix: MixConfig, tokens_held: Mapping[str, float], tokens_drawn: float) -> list[SourcePasses]:
+    """Per source of ``mix`` (in mix order): the tokens a run of ``tokens_drawn`` tokens takes from it, by the
+    blend's rule (group weight x weight inside the group: explicit, or the source's share of the group's tokens)."""
+    weights = group_weights(mix)
+    rows = []
+    for group_name, group in mix.groups.items():
+        held = {name: float(tokens_held.get(name, 0.0)) for name in group.sources}
+        explicit = {name: source.weight for name, source in group.sources.items() if source.weight is not None}
+        inside = explicit if len(explicit) == len(group.sources) else held
+        total = sum(inside.values())
+        for name in group.sources:
+            share = inside[name] / total if total > 0 else 0.0
+            rows.append(SourcePasses(name, group_name, held[name], tokens_drawn * weights[group_name] * share))
+    return rows
+
+
+def format_passes(rows: Sequence[SourcePasses]) -> str:
+    """One line per source: tokens held, tokens drawn, passes."""
+    return "\n".join(f"  {row.name} ({row.group}): {row.tokens_held:,.0f} tokens held, {row.tokens_drawn:,.0f} drawn = "
+                     f"{row.passes:.2f} passes" for row in rows)
+
+
+def repeat_warning(rows: Sequence[SourcePasses]) -> str | None:
+    """A one-line warning when one source is read more than 3 times while another is read less than once."""
+    most = max(rows, key=lambda row: row.passes, default=None)
+    least = min(rows, key=lambda row: row.passes, default=None)
+    high, low = REPEAT_WARNING_PASSES
+    if most is None or least is None or not (most.passes > high and least.passes < low):
+        return None
+    return (f"data: {most.name} is read {most.passes:.1f} times while {least.name} is read {least.passes:.2f} times: "
+            "the mix's weights and its sources' sizes disagree; set max_documents (or the group weights) so that "
+            "every source is read about as often (docs/data_loading.md#epochs-and-passes)")

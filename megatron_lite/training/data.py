@@ -12,11 +12,13 @@ from torch.utils.data import DataLoader
 from megatron_lite.config import Config, MixConfig
 from megatron_lite.data.loader import build_train_valid_datasets, sample_loader
 from megatron_lite.data.manifest import Manifest, load_manifest
-from megatron_lite.data.mix import load_mix
+from megatron_lite.data.rank_zero_wait import RankZeroBuild
+from megatron_lite.console import console, notice
+from megatron_lite.data.mix import SourcePasses, format_passes, load_mix, repeat_warning, source_passes
 from megatron_lite.data.tokenizer import check_document_mask
 from megatron_lite.data.verify import ShardVerificationError, ensure_verified
 from megatron_lite.training.deepspeed_config import BatchSizes
-from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, barrier
+from megatron_lite.training.distributed import DistributedInfo, barrier
 
 
 # DataLoader workers start as fresh interpreters, not forked: by the time the training iterator starts them the
@@ -82,20 +84,23 @@ def validation_samples(config: Config) -> int:
 def _prepare_on_rank0(config: Config, dist_info: DistributedInfo, verify_data: bool = False) -> MixConfig:
     """Rank 0 parses the mix, tokenises (cached after the first run) and verifies the shards not yet
     verified (all of them when ``verify_data``; data/verify.py) before any rank opens them; every rank
-    learns whether it worked; returns the mix (the other ranks parse it once preparation succeeded)."""
+    learns whether it worked, waiting as long as that takes (data/rank_zero_wait.py: no collective timeout);
+    returns the mix (the other ranks parse it once preparation succeeded). Rank 0 counts as a reader of the
+    cache until it exits, so no run with other settings rebuilds it meanwhile (data/cache_lock.py)."""
     from megatron_lite.data.preprocess import prepare_data
 
     error: Exception | None = None
     mix: MixConfig | None = None
+    waiting = RankZeroBuild(str(config.data.cache_dir))
     if dist_info.is_main:
         try:
             mix = load_mix(config.data.mix)
             manifest = prepare_data(config.data, config.model.vocab_size, mix=mix,
-                                    brief_when_cached=not VERBOSE_SUMMARY["on"])
+                                    brief_when_cached=not VERBOSE_SUMMARY["on"], keep_reading=True)
             ensure_verified(config.data.cache_dir, manifest, force=verify_data)
         except (ValueError, OSError) as caught:
             error = caught
-    failed = all_reduce_sum([1.0 if error is not None else 0.0], dist_info.device)[0]
+    failed = waiting.failed_anywhere(error is not None)
     if isinstance(error, ShardVerificationError):
         raise error  # already one line naming the shard
     if error is not None:
@@ -114,9 +119,30 @@ def total_steps_for(config: Config, manifest: Manifest, batch: BatchSizes, train
         return train_iters, "--train-iters"
     if config.train.train_iters is not None:
         return config.train.train_iters, "train.train_iters"
-    tokens = sum(record.tokens for record in manifest.sources.values()) * (1.0 - config.data.validation_fraction)
+    tokens = sum(training_tokens(config, manifest).values())
     steps = max(1, math.ceil(config.train.train_epochs * tokens / batch.tokens_per_step(config.model.seq_length)))
     return steps, f"train.train_epochs={config.train.train_epochs} over {tokens:,.0f} training tokens"
+
+
+def training_tokens(config: Config, manifest: Manifest) -> dict[str, float]:
+    """Per source: its tokens less the validation split's share (the split holds out documents, so this is
+    the expected count, not the exact one)."""
+    return {name: record.tokens * (1.0 - config.data.validation_fraction) for name, record in manifest.sources.items()}
+
+
+def run_passes(config: Config, manifest: Manifest, mix: MixConfig, total_steps: int, batch: BatchSizes
+               ) -> list[SourcePasses]:
+    """Per source: the training tokens it holds, the tokens ``total_steps`` steps draw from it, the passes."""
+    drawn = total_steps * batch.tokens_per_step(config.model.seq_length)
+    return source_passes(mix, training_tokens(config, manifest), drawn)
+
+
+def passes_summary(config: Config, manifest: Manifest, mix: MixConfig, total_steps: int, batch: BatchSizes
+                   ) -> tuple[str, str | None]:
+    """The start's lines on what the run reads (per source: tokens held, drawn, passes) and the repeat warning."""
+    rows = run_passes(config, manifest, mix, total_steps, batch)
+    drawn = total_steps * batch.tokens_per_step(config.model.seq_length)
+    return f"data: {total_steps} steps draw {drawn:,} tokens\n{format_passes(rows)}", repeat_warning(rows)
 
 
 def prepare_training_data(config: Config, batch: BatchSizes, dist_info: DistributedInfo, train_iters: int | None,
@@ -130,4 +156,9 @@ def prepare_training_data(config: Config, batch: BatchSizes, dist_info: Distribu
                          f"model.vocab_size={config.model.vocab_size}")
     check_document_mask(manifest.tokenizer.eod_id, config.model, str(tokenizer_path))
     steps, source = total_steps_for(config, manifest, batch, train_iters)
+    if dist_info.is_main:
+        lines, warning = passes_summary(config, manifest, mix, steps, batch)
+        console(lines)
+        if warning:
+            notice(warning)
     return TrainingData(manifest, steps, source, tokenizer_path, mix)
