@@ -76,6 +76,22 @@ def check_launch(config: Config) -> None:
     resolve_batch_sizes(config, with_sequence_parallel(ranks, config.train.sequence_parallel_size).data_parallel_size)
 
 
+def check_float8_device(config: Config) -> None:
+    """train.fp8's device check, before any data work (a tokenizer trained, a dataset fetched from the hub) or
+    anything written: a run that cannot train in FP8 here stops first, with one line."""
+    if config.train.fp8 == "none":
+        return
+    import torch
+
+    from megatron_lite.model.float8 import float8_problem
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    problem = float8_problem(config.train.fp8, config.train.fused_loss, device)
+    if problem:
+        raise ValueError(problem)
+
+
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -85,15 +101,20 @@ def main(argv: list[str] | None = None) -> int:
 
     config = config_lib.load(args.config, args.set)
     check_launch(config)
+    check_float8_device(config)
     from megatron_lite.training.data import set_verbose_summary
 
     set_verbose_summary(args.verbose)
     from megatron_lite.training.loop import run_training
 
-    result = run_training(config, run_dir, resume=args.resume, train_iters=args.train_iters,
-                          verify_data=args.verify_data, wait_for_lock=args.wait_for_lock)
     from megatron_lite.training.distributed import shutdown_distributed
 
+    try:
+        result = run_training(config, run_dir, resume=args.resume, train_iters=args.train_iters,
+                              verify_data=args.verify_data, wait_for_lock=args.wait_for_lock)
+    except ValueError:  # a refusal (the run dir locked, a checkpoint of another width, ...), met on every rank
+        shutdown_distributed()  # else a rank may abort in gloo's teardown instead of exiting 2
+        raise
     shutdown_distributed()  # several ranks: every one returned past the run's last barrier; the process exits next
     return result.exit_code
 

@@ -77,12 +77,17 @@ def checkpoint_step(step_dir: Path) -> int | None:
     return tag_step(step_dir.name)
 
 
-def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
-    """Complete step directories, oldest first."""
+def step_dirs(checkpoints_dir: Path) -> list[Path]:
+    """Every step directory (complete or not), oldest first."""
     if not checkpoints_dir.is_dir():
         return []
     found = [(tag_step(p.name), p) for p in checkpoints_dir.iterdir() if p.is_dir() and tag_step(p.name) is not None]
-    return [p for _, p in sorted(found) if is_complete(p)]
+    return [p for _, p in sorted(found)]
+
+
+def complete_checkpoints(checkpoints_dir: Path) -> list[Path]:
+    """Complete step directories, oldest first."""
+    return [p for p in step_dirs(checkpoints_dir) if is_complete(p)]
 
 
 def latest_complete(checkpoints_dir: Path) -> Path | None:
@@ -94,6 +99,42 @@ def latest_complete(checkpoints_dir: Path) -> Path | None:
             return candidate
     complete = complete_checkpoints(checkpoints_dir)
     return complete[-1] if complete else None
+
+
+def dir_size(path: Path) -> int:
+    """Bytes of the files under ``path`` (files that vanish meanwhile count 0)."""
+    total = 0
+    for child in path.rglob("*"):
+        try:
+            total += child.stat().st_size if child.is_file() else 0
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def incomplete_step_dirs(checkpoints_dir: Path) -> list[Path]:
+    """Step dirs without a COMPLETE marker: a save killed midway (SIGKILL after a scheduler's grace period, a
+    launcher's shutdown timeout), or one still being written by a live run."""
+    return [p for p in step_dirs(checkpoints_dir) if not is_complete(p)]
+
+
+def remove_abandoned_saves(checkpoints_dir: Path) -> list[Path]:
+    """Remove the incomplete step dirs in ``checkpoints_dir``, with one notice naming them and their size; the
+    caller makes sure no live writer is at them (a run holding its run dir's lock, or
+    ``run_lock.live_run_holds`` false).
+    Left in place, each would cost its size on disk forever (GBs at 350M): no resume or conversion reads one."""
+    from megatron_lite.console import notice
+
+    removed = []
+    for step_dir in incomplete_step_dirs(checkpoints_dir):
+        size = dir_size(step_dir)
+        shutil.rmtree(step_dir, ignore_errors=True)
+        removed.append((step_dir, size))
+    if removed:
+        names = ", ".join(f"{step_dir.name} ({size / 1e6:.1f} MB)" for step_dir, size in removed)
+        notice(f"removed {len(removed)} incomplete checkpoint dir(s) in {checkpoints_dir}, a save that never "
+               f"finished (no {COMPLETE_MARKER} marker): {names}")
+    return [step_dir for step_dir, _ in removed]
 
 
 def checkpoint_kind(path: Path) -> str:

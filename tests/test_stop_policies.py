@@ -130,12 +130,19 @@ def test_a_requested_stop_at_a_stage_boundary_stops_instead_of_starting_the_next
 
 
 def test_stop_request_records_the_signal_and_restores_the_handlers() -> None:
-    previous = signal.getsignal(signal.SIGTERM)
+    previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with StopRequest() as stop:
         assert stop.received(on_any_rank=True) == "a signal on another rank"
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert stop.signal_name == "SIGTERM"
-        assert stop.received(on_any_rank=True) == "SIGTERM" and stop.received(on_any_rank=False) is None
-        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C interrupts at once
-            os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGTERM) is previous
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == previous  # no stop: as before
+    try:
+        with StopRequest() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.signal_name == "SIGTERM"
+            os.kill(os.getpid(), signal.SIGTERM)  # a second SIGTERM is only noted
+            assert stop.received(on_any_rank=True) == "SIGTERM" and stop.received(on_any_rank=False) is None
+            with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C interrupts at once
+                os.kill(os.getpid(), signal.SIGINT)
+        # a stop was requested: the process finishes it (closing row, lock) whatever SIGTERM comes next
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN and signal.getsignal(signal.SIGINT) is previous[1]
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])

@@ -25,6 +25,7 @@ from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.convert import TARGETS, convert_checkpoint
 from megatron_lite.convert.conversion import ConversionResult
 from megatron_lite.model.gpt import DTYPES
+from megatron_lite.training.run_lock import live_run_holds
 
 
 def describe_input(input_path: str, result: ConversionResult) -> str:
@@ -54,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--coca", choices=("slack", "strict"), default=None,
                         help="turn a RoPE model into CoCA (T initialised from the K projection; logits change until fine-tuned)")
     args = parser.parse_args(argv)
+    run_dir = Path(args.input)
+    if (run_dir / checkpoint_dirs.CHECKPOINTS_DIR).is_dir() and not live_run_holds(run_dir):
+        checkpoint_dirs.remove_abandoned_saves(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)  # no writer left
     result = convert_checkpoint(args.input, args.output, args.to, dtype=args.dtype, force=args.force, coca=args.coca)
     scheme = result.config.model.position.label
     print(f"{args.input} ({describe_input(args.input, result)}) -> {result.output} (--to {args.to}, {args.dtype}, "

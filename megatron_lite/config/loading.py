@@ -87,7 +87,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if origin is Literal:
         choices = typing.get_args(annotation)
         if value not in choices:
-            raise ValueError(f"{key}={short_repr(value)}: must be one of {', '.join(map(repr, choices))}")
+            raise ValueError(f"{key}={short_repr(value)}: must be one of {', '.join(map(repr, choices))}"
+                             f"{_choice_hint(key, value)}")
         return value
     if origin is dict:
         key_type, value_type = typing.get_args(annotation)
@@ -567,6 +568,17 @@ def merge_chain(chain: list[tuple[Path, dict[str, Any]]]) -> dict[str, Any]:
     return merged
 
 
+def _choice_hint(key: str, value: Any) -> str:
+    """What a refused choice most likely meant, where a name suggests it: CoCA's two variants are one scheme,
+    ``coca``, and a constraint (the config files' names coca_strict / coca_slack are not scheme names)."""
+    if key == "model.position.scheme" and isinstance(value, str) and value.startswith("coca_"):
+        constraint = value.removeprefix("coca_")
+        constraint = constraint if constraint in ("strict", "slack") else "strict|slack"
+        return (f"; CoCA's variant is model.position.constraint: --set model.position.scheme=coca "
+                f"--set model.position.constraint={constraint}")
+    return ""
+
+
 def read_yaml_mapping(path: Path, missing: str) -> dict[str, Any]:
     """The top-level mapping of a YAML config or mix file with its ``base:`` chain merged in (the file's
     own keys over its base's, see ``read_chain``); empty for an empty file."""
@@ -578,7 +590,11 @@ def load(path: str | Path, overrides: list[str] | None = None) -> Config:
     under where it came from: ``--set KEY=VALUE``, the config file, or the base file that set it."""
     path, overrides = Path(path), overrides or []
     chain = read_chain(path, "" if path.is_file() else missing_file_message(path, "config file"))
-    data = apply_overrides(merge_chain(chain), overrides)  # its errors name the override
+    merged = merge_chain(chain)
+    if not merged:  # it would train every default (a 400M model on the default data): surely not what was meant
+        raise ValueError(f"{path}: empty config (no keys); give one such as configs/tiny/coca_slack.yml or "
+                         "configs/coca_350m.yml, or start yours with `base: FILE`")
+    data = apply_overrides(merged, overrides)  # its errors name the override
     try:
         return from_dict(data)
     except ValueError as error:

@@ -73,6 +73,12 @@ class LockHolder:
         return None
 
 
+def live_run_holds(run_dir: Path) -> bool:
+    """Whether a live run holds ``run_dir``'s lock (and so may be writing a step dir there right now)."""
+    holder = read_holder(run_dir / LOCK_FILE)
+    return holder is not None and holder.gone_because(socket.gethostname()) is None
+
+
 def heartbeat_seconds() -> float:
     return seconds_from_env(RUN_LOCK_HEARTBEAT_ENV, DEFAULT_HEARTBEAT_SECONDS)
 
@@ -198,6 +204,7 @@ def hold_run_dir(run_dir: Path, is_main: bool, device: Any, wait_seconds: float 
 
     lock: RunLock | None = None
     error: ValueError | None = None
+    fresh = not run_dir.exists()  # made by the lock: a refused run leaves no empty run dir behind
     if is_main:
         try:
             lock = acquire(run_dir, wait_seconds)
@@ -210,9 +217,22 @@ def hold_run_dir(run_dir: Path, is_main: bool, device: Any, wait_seconds: float 
         raise RunDirLocked(f"run dir {run_dir}: rank 0 could not take its lock (see its message)")
     try:
         yield
+    except ValueError:
+        if lock is not None and fresh:
+            lock.release()
+            lock = None
+            _remove_if_empty(run_dir)
+        raise
     finally:
         if lock is not None:
             lock.release()
+
+
+def _remove_if_empty(directory: Path) -> None:
+    try:
+        directory.rmdir()
+    except OSError:  # not empty (or gone): it holds what the run wrote
+        pass
 
 
 def wait_for_run_end(run_dir: Path, timeout: float) -> None:
@@ -230,6 +250,31 @@ def wait_for_run_end(run_dir: Path, timeout: float) -> None:
                          f"{holder.describe() if holder else 'a run that just ended'})") from None
 
 
+@contextmanager
+def _waiting_through_signals(run_dir: Path) -> Iterator[None]:
+    """The wait outlives a scheduler's repeated SIGTERM (scancel after the time limit's warning, a step's every
+    process signalled again): dying of it would end the job while the run's ranks still write the stop's
+    checkpoint, and the scheduler would kill them mid-save. A SIGTERM is noted in one line; a second SIGINT
+    (Ctrl-C twice at a terminal) interrupts."""
+    said: set[str] = set()
+
+    def note(signum: int, frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGINT and name in said:
+            raise KeyboardInterrupt
+        if name not in said:
+            said.add(name)
+            print(f"run_lock: {name} received; still waiting for the run in {run_dir} to finish its stop and save",
+                  flush=True)
+
+    previous = {signum: signal.signal(signum, note) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 def run_ending(run_dir: Path) -> tuple[str, int]:
     """How the ended run in ``run_dir`` stopped, from its last metrics.jsonl row, as one line naming the
     checkpoint a resume starts from; and train.py's exit code for that ending as one process (0, 3, 4, 130,
@@ -241,8 +286,13 @@ def run_ending(run_dir: Path) -> tuple[str, int]:
     path = run_dir / "metrics.jsonl"
     rows = read_metrics(path) if path.is_file() else []
     last = rows[-1] if rows else {}
-    checkpoint = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
+    checkpoints = run_dir / checkpoint_dirs.CHECKPOINTS_DIR
+    checkpoint = checkpoint_dirs.latest_complete(checkpoints)
     resume = f"--resume auto starts from {checkpoint or 'step 0 (no complete checkpoint)'}"
+    newest = (checkpoint_dirs.step_dirs(checkpoints) or [None])[-1]
+    if newest is not None and not checkpoint_dirs.is_complete(newest):  # never "saved" over a save cut short
+        return (f"{run_dir}: ended with its newest checkpoint {newest} incomplete (its save was cut short: killed "
+                f"mid-save); {resume}", EXIT_NO_ENDING)
     stopped_by = last.get("stopped_by")
     if stopped_by is None:
         return (f"{run_dir}: ended without a closing row in {path} (killed, or stopped before its first step); "
@@ -289,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.run_dir is None:
         parser.error("RUN_DIR is required (or --run-dir-of TRAIN_ARGS)")
-    wait_for_run_end(args.run_dir, args.timeout)
+    with _waiting_through_signals(args.run_dir):
+        wait_for_run_end(args.run_dir, args.timeout)
     line, code = run_ending(args.run_dir)
     print(line, flush=True)
     return code

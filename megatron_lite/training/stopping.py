@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from enum import Enum
@@ -140,14 +141,25 @@ def _step_of(step_dir: Path | None) -> str:
     return f"step {step}" if step is not None else "the start"
 
 
+# Test hook: seconds a requested stop lingers before its save (every rank), so that a test's second signal
+# surely lands inside the stop, as a scheduler's may during a large model's save.
+STOP_LINGER_ENV = "MEGATRON_LITE_TEST_STOP_LINGER_SECONDS"
+
+
 class StopRequest:
     """SIGTERM/SIGINT set a flag the loop checks after each step (all ranks agree via all-reduce);
     a second SIGINT interrupts at once. The first signal is the one reported: on Ctrl-C the deepspeed launcher
-    sends its ranks a SIGTERM of its own right after the SIGINT they got from the terminal."""
+    sends its ranks a SIGTERM of its own right after the SIGINT they got from the terminal.
+
+    A second SIGTERM never shortens the stop: a scheduler may signal again (scancel after the time limit's
+    warning, a batch shell signalled too) while the stop's checkpoint is written. Inside the block it is only
+    noted; once a stop was requested, leaving the block ignores SIGTERM for the rest of the process, whose
+    remaining work is the closing metrics row, the loss curve and releasing the run lock (then exit 143)."""
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
+        self._linger = float(os.environ.get(STOP_LINGER_ENV) or 0)
 
     def __enter__(self) -> StopRequest:
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -162,11 +174,17 @@ class StopRequest:
 
     def received(self, on_any_rank: bool) -> str | None:
         """The signal to report when the ranks agree that one of them received one."""
-        return (self.signal_name or "a signal on another rank") if on_any_rank else None
+        if not on_any_rank:
+            return None
+        if self._linger:  # the test hook, once: the stop's save starts that much later
+            time.sleep(self._linger)
+            self._linger = 0.0
+        return self.signal_name or "a signal on another rank"
 
     def __exit__(self, *exc: Any) -> None:
         for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
+            stopping = signum == signal.SIGTERM and self.signal_name is not None
+            signal.signal(signum, signal.SIG_IGN if stopping else handler)
 
 
 class EvaluationInterrupted(Exception):
