@@ -28,8 +28,9 @@ def sample_documents(doc_order: np.ndarray, stream_lengths: np.ndarray, position
 
 def documents_per_batch(arrays: Mapping[str, np.ndarray], doc_lengths: Sequence[np.ndarray], seq_length: int,
                         batch_size: int) -> np.ndarray:
-    """(batches,) distinct (source, document) pairs read by each complete batch of ``batch_size`` consecutive
-    samples of a blend index (its ``arrays``; doc_lengths[i]: (documents,) tokens per document of source i)."""
+    """(batches, sources) distinct documents of each source read by each complete batch of ``batch_size``
+    consecutive samples of a blend index (its ``arrays``; doc_lengths[i]: (documents,) tokens per document of
+    source i). A row's sum is the batch's distinct documents."""
     if batch_size <= 0:
         raise ValueError(f"batch_size={batch_size}: must be positive")
     blend_source, blend_sample = arrays["blend_source"], arrays["blend_sample"]
@@ -44,5 +45,5 @@ def documents_per_batch(arrays: Mapping[str, np.ndarray], doc_lengths: Sequence[
                 streams[source] = (doc_order, np.asarray(doc_lengths[source], dtype=np.int64)[doc_order])
             position, offset = (int(v) for v in arrays[f"sample_idx_{source}"][int(blend_sample[k])])
             seen.update((source, d) for d in sample_documents(*streams[source], position, offset, seq_length))
-        counts.append(len(seen))
-    return np.asarray(counts, dtype=np.int64)
+        counts.append(np.bincount([source for source, _ in seen], minlength=len(doc_lengths)))
+    return np.asarray(counts, dtype=np.int64).reshape(-1, len(doc_lengths))

@@ -399,7 +399,7 @@ def data_report(data: DataConfig, seq_length: int, manifest: Manifest, num_sampl
     first = dataset[0]
     batch = min(global_batch or num_samples, num_samples)  # fewer samples than a batch: one short batch
     lengths = [document_lengths(source) for source in dataset.sources]
-    per_batch = documents_per_batch(dataset.index.arrays, lengths, dataset.seq_length, batch)
+    per_batch = documents_per_batch(dataset.index.arrays, lengths, dataset.seq_length, batch).sum(axis=1)  # (batches,)
     return {
         "documents_per_batch": {"global_batch": batch, "batches": len(per_batch), "min": int(per_batch.min()),
                                 "mean": float(per_batch.mean())},
