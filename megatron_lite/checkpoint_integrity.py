@@ -163,13 +163,18 @@ def is_staging_dir(name: str) -> bool:
     return _STAGING_DIR.match(name) is not None
 
 
-def save_hashed(obj: Any, path: Path, rank: int, zipfile_serialization: bool = True) -> FileRecord:
-    """``torch.save(obj, path)``, hashing the bytes as they are written (no second read)."""
+def save_hashed(obj: Any, path: Path, rank: int, zipfile_serialization: bool = True,
+                fsync: bool = False) -> FileRecord:
+    """``torch.save(obj, path)``, hashing the bytes as they are written (no second read); ``fsync``: on disk
+    before returning (a background write, whose file the step loop no longer waits for)."""
     import torch
 
     with open(path, "wb") as handle:
         writer = HashingWriter(handle)
         torch.save(obj, writer, _use_new_zipfile_serialization=zipfile_serialization)  # type: ignore[arg-type]
+        if fsync:
+            handle.flush()
+            os.fsync(handle.fileno())
     return FileRecord(path.name, writer.size, writer.hexdigest(), rank)
 
 

@@ -546,6 +546,11 @@ class TrainConfig:
         "checkpoints, a stage's last step and a requested stop (a signal, train.exit_interval) still save.",
         default=True)
     keep_last_checkpoints: int = _doc("Complete checkpoints kept; older ones are deleted.", default=3)
+    async_save: bool = _doc(
+        "Write train.save_interval's checkpoints in the background: the step loop waits only while the states are "
+        "copied to host memory (one more copy of them while the write runs); complete, and logged as saved, at a "
+        "later step. The final, a stop's and a stage's last save are written at once (docs/checkpoints.md).",
+        default=False)
     exit_interval: int | None = _doc(
         "Save a checkpoint and exit when the step is a multiple of this (Megatron's --exit-interval); "
         "for time-limited jobs that resubmit themselves with --resume auto.",

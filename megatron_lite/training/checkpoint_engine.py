@@ -5,7 +5,8 @@ failed write raise out of ``engine.save_checkpoint`` on one rank while the other
 closing barrier. This subclass (installed by ``install``) loads through
 ``checkpoint_integrity.safe_load``, hashes every file while writing it, and keeps a failed write
 for the caller's all-rank agreement instead of raising, so every rank still reaches DeepSpeed's
-barrier and no rank waits on another.
+barrier and no rank waits on another. For an asynchronous save (``begin(capture=True)``) it keeps a host
+copy of each file's state dict instead (``host_snapshot.host_copy``), which a background thread writes later.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from megatron_lite.checkpoint_integrity import FileRecord, safe_load, save_hashed
+from megatron_lite.training.host_snapshot import host_copy
 
 
 class VerifiedCheckpointEngine(TorchCheckpointEngine):
@@ -25,16 +27,22 @@ class VerifiedCheckpointEngine(TorchCheckpointEngine):
         self.rank = rank
         self.written: list[FileRecord] = []
         self.error: Exception | None = None  # the first failed write since begin()
+        self.capture = False
+        self.captured: list[tuple[Any, Path]] = []  # (host copy of a state dict, its file) since begin(capture=True)
 
-    def begin(self) -> None:
-        """Forget the records and failure of the previous save."""
-        self.written, self.error = [], None
+    def begin(self, capture: bool = False) -> None:
+        """Forget the records, captures and failure of the previous save; ``capture``: keep host copies of the
+        state dicts DeepSpeed saves, with their paths, instead of writing them."""
+        self.written, self.error, self.capture, self.captured = [], None, capture, []
 
     def save(self, state_dict: Any, path: str) -> None:
         if self.error is not None:  # the checkpoint is lost already: do not fill the disk further
             return
         try:
-            self.written.append(save_hashed(state_dict, Path(path), self.rank, self.zipfile_serialization))
+            if self.capture:
+                self.captured.append((host_copy(state_dict), Path(path)))
+            else:
+                self.written.append(save_hashed(state_dict, Path(path), self.rank, self.zipfile_serialization))
         except Exception as error:  # torch.save raises RuntimeError on a full disk, not only OSError
             self.error = error
 

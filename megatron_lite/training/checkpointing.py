@@ -1,10 +1,9 @@
-"""Saving and resuming training checkpoints (their directories: megatron_lite/checkpoint_dirs.py).
+"""Resuming training checkpoints (their directories: megatron_lite/checkpoint_dirs.py; writing them:
+megatron_lite/training/checkpointer.py).
 
-A checkpoint counts only once it is complete: every rank writes its DeepSpeed files and its RNG
-state (hashing them as they are written), all ranks meet, then rank 0 writes the manifest of every
-file's size and sha256 (``megatron_lite.checkpoint_integrity``), the COMPLETE marker, and only then
-flips ``latest``. A crash at any point leaves the previous complete checkpoint as the one
-``--resume auto`` finds; a resume first verifies the checkpoint against its manifest (each rank its
+A checkpoint counts only once it is complete: every rank's files written and hashed, all ranks agreed, then rank 0
+wrote the manifest of every file's size and sha256 (``megatron_lite.checkpoint_integrity``), the COMPLETE marker,
+and only then flipped ``latest``. A resume first verifies the checkpoint against its manifest (each rank its
 share) and ``auto`` falls back to an older one when that fails.
 
 A run continues on another number of ranks (``plan_resume``): a ZeRO 1-3 checkpoint is converted once
@@ -14,13 +13,7 @@ verified like the rest, and loaded with ``checkpoint.load_universal``; ZeRO 0 ne
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import signal
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,14 +22,12 @@ import torch
 
 from megatron_lite import checkpoint_dirs
 from megatron_lite import config as config_lib
-from megatron_lite.checkpoint_integrity import (MANIFEST_FILE, FileRecord, Verification, record_file, safe_load,
-                                                save_hashed, verify_checkpoint, write_manifest)
+from megatron_lite.checkpoint_integrity import MANIFEST_FILE, Verification, safe_load, verify_checkpoint
 from megatron_lite.convert import universal
 from megatron_lite.config import Config
 from megatron_lite.console import notice
-from megatron_lite.files import write_text_atomic
 from megatron_lite.training import identity, rng
-from megatron_lite.training.distributed import DistributedInfo, all_gather_objects, all_reduce_sum, barrier
+from megatron_lite.training.distributed import DistributedInfo, all_gather_objects, all_reduce_sum
 from megatron_lite.training.optim import set_fused
 from megatron_lite.weights import expected_shapes
 
@@ -65,140 +56,15 @@ class TrainingState:
         return cls(**client_state["megatron_lite"])
 
 
-def _rng_file(step_dir: Path, rank: int) -> Path:
+def rng_state_file(step_dir: Path, rank: int) -> Path:
     return step_dir / f"rng_state_rank{rank:05d}.pt"
 
 
-@contextmanager
-def _disk_full(limit: int | None) -> Iterator[None]:
-    """Fault injection: a real file-size limit (RLIMIT_FSIZE, SIGXFSZ ignored so writes past it fail with
-    EFBIG, as on a full disk) for the body; the previous limit and handler are restored afterwards."""
-    if limit is None:
-        yield
-        return
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous_handler)
-
-
-def _describe_error(error: BaseException, where: Path | None = None) -> str:
-    text = str(error).strip().splitlines()
-    described = f"{type(error).__name__}: {text[0] if text else ''}".rstrip(": ")
-    if where is not None and universal.is_disk_full(error):  # torch.save says "unexpected pos", not ENOSPC
-        return f"{described}: a full disk at {where}"
-    return described
-
-
-def _agree(error: Exception | None, records: list[FileRecord]) -> tuple[int, list[FileRecord]]:
-    """All ranks' outcome in one collective: (ranks that failed, every rank's file records)."""
-    outcomes = all_gather_objects((error is not None, records))
-    return sum(failed for failed, _ in outcomes), [record for _, mine in outcomes for record in mine]
-
-
-def save_checkpoint(engine: Any, run_dir: Path, state: TrainingState, config: Config, tokenizer_path: Path | None,
-                    dist_info: DistributedInfo, keep_last: int, ending: dict[str, str] | None = None) -> Path | None:
-    """Write one complete checkpoint; None (and the previous one intact, still ``latest``) if any write on
-    any rank failed. Every rank returns after the same two all-rank agreements, so none waits on a failed one.
-    ``ending``: how the run ends at this checkpoint (``stopped_by``, ``signal``), added to its COMPLETE marker.
-
-    ``engine.checkpoint_engine`` must be a VerifiedCheckpointEngine (``checkpoint_engine.install``): it
-    hashes DeepSpeed's files as they are written and holds a failed write instead of raising it.
-    """
-    checkpoints = run_dir / checkpoint_dirs.CHECKPOINTS_DIR
-    tag = checkpoint_dirs.step_tag(state.step)
-    step_dir = checkpoints / tag
-    faults = config.train.fault_injection
-    disk_full = (faults.disk_full_bytes if state.step in faults.disk_full_save_steps
-                 and faults.disk_full_rank in (None, dist_info.rank) else None)
-    writer = engine.checkpoint_engine
-    error: Exception | None = None
-    records: list[FileRecord] = []
-    started = time.perf_counter()
-    if dist_info.is_main:
-        try:
-            _clear_step_dir(step_dir)
-        except Exception as caught:
-            error = caught
-    barrier()  # no rank writes into the step dir before an earlier save's files are gone
-    try:
-        if error is not None:
-            raise error
-        with _disk_full(None if faults.disk_full_after_agreement else disk_full):
-            if faults.fail_save_step == state.step:
-                raise OSError(28, f"No space left on device (fault injection at step {state.step})")
-            writer.begin()
-            engine.save_checkpoint(str(checkpoints), tag=tag, save_latest=False, client_state={
-                **state.to_client_state(), UNIVERSAL_CHECKPOINT_INFO: universal.universal_checkpoint_info()})
-            if writer.error is not None:
-                raise writer.error
-            records = [*writer.written, save_hashed(rng.capture(dist_info.device), _rng_file(step_dir, dist_info.rank),
-                                                     dist_info.rank)]
-            if faults.kill_during_save_step == state.step:
-                os.kill(os.getpid(), signal.SIGKILL)
-    except Exception as caught:  # torch.save raises RuntimeError on a full disk: any failure counts
-        error = caught
-    failures, records = _agree(error, records)
-    if not failures and dist_info.is_main:  # rank 0's own writes, agreed on below before anyone returns
-        try:
-            with _disk_full(disk_full if faults.disk_full_after_agreement else None):
-                config_lib.save(config, step_dir / checkpoint_dirs.CONFIG_FILE)
-                records.append(record_file(step_dir / checkpoint_dirs.CONFIG_FILE, dist_info.rank))
-                if tokenizer_path is not None:  # tokenizer.model, or tokenizer.json (+ tokenizer_config.json)
-                    records += [record_file(path, dist_info.rank)
-                                for path in checkpoint_dirs.copy_tokenizer(tokenizer_path, step_dir)]
-                write_manifest(step_dir, records)
-                marker = {**state.__dict__, "world_size": dist_info.world_size,
-                          "sequence_parallel_size": dist_info.sequence_parallel_size,
-                          "zero_stage": config.train.zero_stage, "precision": config.precision,
-                          "seconds": round(time.perf_counter() - started, 3), **(ending or {})}
-                write_text_atomic(step_dir / checkpoint_dirs.COMPLETE_MARKER, json.dumps(marker, indent=2) + "\n")
-                write_text_atomic(checkpoints / checkpoint_dirs.LATEST_FILE, tag + "\n")  # last: the commit point
-        except Exception as caught:
-            error = caught
-    if not failures:
-        failures = all_reduce_sum([0.0 if error is None else 1.0], dist_info.device)[0]
-    if failures:
-        if dist_info.is_main:
-            (step_dir / checkpoint_dirs.COMPLETE_MARKER).unlink(missing_ok=True)  # first, should removal stop midway
-            shutil.rmtree(step_dir, ignore_errors=True)
-            previous = checkpoint_dirs.latest_complete(checkpoints)
-            notice(f"checkpoint at step {state.step} failed on {int(failures)} rank(s)"
-                   f"{f' ({_describe_error(error, checkpoints)})' if error else ''}; removed {step_dir}; the last complete "
-                   f"checkpoint is {previous if previous else 'none'}")
-        barrier()
-        return None
-    if dist_info.is_main:  # checkpoints past this step belong to a history the run left (a redone step): not counted
-        for old in _this_history(checkpoint_dirs.complete_checkpoints(checkpoints), state.step)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-    barrier()
-    return step_dir
-
-
-def _this_history(complete: list[Path], step: int) -> list[Path]:
+def this_history(complete: list[Path], step: int) -> list[Path]:
     """The complete checkpoints (oldest first) up to ``step``, the newest save's: after a step is redone
     (``--resume none`` in the same run dir, a rollback), higher ones are another history's, which pruning must
     not count (it would delete the new save) and ``--resume auto``'s fallback must not pick."""
     return [path for path in complete if (checkpoint_dirs.checkpoint_step(path) or 0) <= step]
-
-
-def _clear_step_dir(step_dir: Path) -> None:
-    """A save writes its step dir as a unit: an earlier save of the same step (a redone step: ``--resume none``
-    in the same run dir, a rollback, ``--resume auto``'s fallback, a crash mid-save) is removed first, with every
-    file of it (other ranks' files, its ``universal/`` conversion), so none of them survives into the new save.
-    Its COMPLETE marker goes first, so a removal cut short leaves an incomplete dir, never a complete mixture."""
-    if not step_dir.exists():
-        return
-    (step_dir / checkpoint_dirs.COMPLETE_MARKER).unlink(missing_ok=True)
-    shutil.rmtree(step_dir, ignore_errors=True)
-    if step_dir.exists():
-        shutil.rmtree(step_dir)  # raises the reason (OSError): the save fails on every rank
 
 
 def _verify_everywhere(step_dir: Path, dist_info: DistributedInfo, round_robin: bool = False,
@@ -223,7 +89,7 @@ def find_resume_checkpoint(resume: str, run_dir: Path, dist_info: DistributedInf
         latest = checkpoint_dirs.latest_complete(checkpoints)
         if latest is None:
             return None
-        older = _this_history(checkpoint_dirs.complete_checkpoints(checkpoints),
+        older = this_history(checkpoint_dirs.complete_checkpoints(checkpoints),
                               checkpoint_dirs.checkpoint_step(latest) or 0)
         candidates = [latest] + [p for p in reversed(older) if p != latest]
         for step_dir in candidates:
@@ -409,7 +275,7 @@ def restore_rng_state(step_dir: Path, dist_info: DistributedInfo, seed: int, ste
     """This rank's RNG state as saved at the checkpoint's step boundary; called last before the first step,
     so nothing set-up draws (engine, data, wandb) moves the streams that step draws from. A rank the checkpoint
     has no state for (a resume on more ranks) seeds from (seed, rank, step)."""
-    rng_file = _rng_file(step_dir, dist_info.rank)
+    rng_file = rng_state_file(step_dir, dist_info.rank)
     if rng_file.is_file():
         rng.restore(safe_load(rng_file), dist_info.device)
     else:

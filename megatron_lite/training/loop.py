@@ -21,9 +21,10 @@ from megatron_lite.config import Config
 from megatron_lite.console import console, notice
 from megatron_lite.model.params import counted_parameter_count
 from megatron_lite.training import metrics as metrics_lib
+from megatron_lite.training.checkpointer import Checkpointer
 from megatron_lite.training.checkpointing import (
     ResumePlan, TrainingState, check_resume_compatible, find_resume_checkpoint, load_counters, load_training_state,
-    plan_resume, restore_rng_state, save_checkpoint,
+    plan_resume, restore_rng_state,
 )
 from megatron_lite.training.data import TrainingData, prepare_training_data
 from megatron_lite.training.deepspeed_config import BatchSizes, resolve_batch_sizes
@@ -92,6 +93,8 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     # the held-out books read now: a missing or short one stops the run before DeepSpeed starts
     extrapolation = (ExtrapolationEval.from_run(config, data.tokenizer_path, dist_info.device)
                      if config.train.extrapolation_eval.interval else None)
+    if dist_info.is_main:
+        config_lib.save(config, run_dir / checkpoint_dirs.CONFIG_FILE)
 
     resume_dir = find_resume_checkpoint(resume, run_dir, dist_info)
     marker: dict[str, Any] = {}
@@ -111,8 +114,6 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     staged, _ = start_engine(config, batch_sizes, dist_info, stages, resume_dir, marker,
                              load_universal=plan is not None and plan.universal)
     state = _starting_state(staged, resume_dir, plan, data.total_steps)
-    if dist_info.is_main:  # only now, every check passed: a refused run leaves its run dir as it was
-        config_lib.save(config, run_dir / checkpoint_dirs.CONFIG_FILE)
         checkpoint_dirs.remove_abandoned_saves(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)  # ours: we hold the lock
     train_loader, valid_loader = data.loaders(config, batch_sizes, dist_info, state.consumed_samples)
     logger = metrics_lib.MetricsLogger(config, run_dir, enabled=dist_info.is_main, start_step=state.step)
@@ -134,6 +135,7 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     policies = StopPolicies(train, data.total_steps, [stage.end for stage in stages], last_good=lambda:
                             checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR))
     report = StepReport(logger, config, batch_sizes, dist_info, state.step, data.total_steps)
+    checkpointer = Checkpointer(staged, run_dir, config, data.tokenizer_path, dist_info, policies)
     injected = set(train.fault_injection.nonfinite_loss_steps)
     iterator = iter(train_loader)
     samples = SampleIndexRecorder(run_dir, dist_info, train.record_sample_indices, state.step)
@@ -191,21 +193,15 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
             if due and evaluate(due):
                 _say_evaluation_dropped(dist_info, state.step, stop)
                 end = policies.step_end(state.step, stop.received(on_any_rank=True))
-            saved = (save_checkpoint(staged.engine, run_dir, state, config, data.tokenizer_path, dist_info,
-                                     train.keep_last_checkpoints, ending=_ending_at(end, stop.signal_name))
-                     if end.save else None)
-            if saved is not None:
-                result.last_checkpoint = saved
-                if dist_info.is_main:
-                    console(f"saved checkpoint {saved}")
-            decision = policies.after_save(end, saved is not None)
+            decision = checkpointer.after_step(end, state, _ending_at(end, stop.signal_name))
             if decision.action is Action.NEXT_STAGE:
-                assert saved is not None
-                staged.next_stage(saved, state.step)
+                staged.next_stage(checkpointer.last_saved, state.step)
                 state.stage = staged.stage_index
             report.throughput.exclude_since(side_work_start)
             if decision.action is Action.STOP:
                 break
+        decision = checkpointer.finish(decision)
+    result.last_checkpoint = checkpointer.last_saved or result.last_checkpoint
     return _finish(result, decision, state, report, dist_info, stop.signal_name)
 
 
