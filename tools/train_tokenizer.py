@@ -18,6 +18,7 @@ from pathlib import Path
 
 from megatron_lite import config as config_lib
 from megatron_lite.cli import cli_main, run_cli
+from megatron_lite.data.cache_lock import building
 from megatron_lite.data.mix import load_mix
 from megatron_lite.data.tokenizer import ensure_tokenizer, train_from_mix
 
@@ -37,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
         if config.data.tokenizer.model:
             raise ValueError(f"data.tokenizer.model={config.data.tokenizer.model!r} is set: nothing to train "
                              "into the cache (give --out DIR to train a separate model)")
-        tokenizer = ensure_tokenizer(config.data, config.model.vocab_size, retrain=True)
+        with building(config.data.cache_dir) as build:  # not while another run builds or reads the cache
+            tokenizer = ensure_tokenizer(config.data, config.model.vocab_size, retrain=True,
+                                         before_change=build.before_change)
     else:
         data = config.data
         tokenizer = train_from_mix(load_mix(data.mix), args.out / "tokenizer.model", config.model.vocab_size,

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_lite.data.rank_zero_wait import RankZeroBuild
 from megatron_lite.files import json_sha256, temporary_sibling
 
 INDEX_FORMAT_VERSION = 2  # 2: draws of a source are its stream samples shuffled per sample epoch
@@ -398,18 +399,26 @@ def load_or_build(
     """The index for ``inputs`` under ``root/<index_key(inputs)>``: built by the builder if missing.
 
     The builder (rank 0) writes it atomically; with torch.distributed initialised every rank then
-    meets at a barrier, otherwise non-builders poll for meta.json (written last) up to the timeout.
+    waits for it, as long as that takes, and stops with it if it failed (data/rank_zero_wait.py: no
+    collective timeout); otherwise non-builders poll for meta.json (written last) up to the timeout.
     """
     directory = Path(root) / index_key(inputs)
     built = False
-    if is_builder and not (directory / "meta.json").is_file():
-        start = time.perf_counter()
-        blend = build()
-        _write(directory, blend, dict(inputs), time.perf_counter() - start)
-        built = True
     dist = _distributed()
-    if dist is not None:
-        dist.barrier()
+    waiting = RankZeroBuild(str(directory)) if dist is not None else None  # before the build: every rank makes it
+    try:
+        if is_builder and not (directory / "meta.json").is_file():
+            start = time.perf_counter()
+            blend = build()
+            _write(directory, blend, dict(inputs), time.perf_counter() - start)
+            built = True
+    except Exception:
+        if waiting is not None:
+            waiting.failed_anywhere(True)  # the other ranks stop with this one, not at a timeout
+        raise
+    if waiting is not None:
+        if waiting.failed_anywhere(False):
+            raise ValueError(f"{directory}: rank 0 could not build the sample index (see its message)")
     elif not is_builder:
         deadline = time.monotonic() + wait_timeout_s
         while not (directory / "meta.json").is_file():

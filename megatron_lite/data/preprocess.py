@@ -28,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from megatron_lite.config import DataConfig, MixConfig, SourceConfig
+from megatron_lite.data.cache_lock import CacheBuild, building
 from megatron_lite.console import notice
 from megatron_lite.data.cleaning import MAX_EXAMPLES, Cleaner, Tally
 from megatron_lite.data.indexed import HEADER_SIZE, IndexedDatasetWriter, dtype_for_vocab, neox_prefix
@@ -339,14 +340,28 @@ def _previous_manifest(cache_dir: Path) -> Manifest | None:
 
 def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, strict: bool = False,
                  progress: bool = True, *, documents_per_shard: int = DEFAULT_DOCUMENTS_PER_SHARD, force: bool = False,
-                 mix: MixConfig | None = None, brief_when_cached: bool = False) -> Manifest:
+                 mix: MixConfig | None = None, brief_when_cached: bool = False, keep_reading: bool = False) -> Manifest:
     """Tokenizer + shards + manifest for the data section; cheap when everything is cached.
 
     ``vocab_size`` is model.vocab_size; ``mix`` is data.mix parsed (parsed here when not given).
     ``workers`` defaults to ``data.num_workers``; ``strict`` aborts at the first bad record
     (BadRecordError naming it); ``force`` rebuilds every source. Prints the report when ``progress``;
     with ``brief_when_cached`` (train.py without --verbose) one line instead when every source was cached.
+    Under the cache's build lock (data/cache_lock.py): another process building it is waited for, and a change
+    while another run reads the cache is refused (CacheInUse); ``keep_reading`` (a training run) counts this
+    process as a reader of the cache until it exits.
     """
+    with building(data.cache_dir) as build:
+        manifest = _prepare_locked(data, vocab_size, workers, strict, progress, documents_per_shard, force, mix,
+                                   brief_when_cached, build)
+        if keep_reading:
+            build.keep_reading()
+    return manifest
+
+
+def _prepare_locked(data: DataConfig, vocab_size: int, workers: int | None, strict: bool, progress: bool,
+                    documents_per_shard: int, force: bool, mix: MixConfig | None, brief_when_cached: bool,
+                    build: CacheBuild) -> Manifest:
     if documents_per_shard < 1:
         raise ValueError(f"documents_per_shard={documents_per_shard}: must be >= 1")
     workers = data.num_workers if workers is None else workers
@@ -354,7 +369,7 @@ def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, 
         raise ValueError(f"workers={workers}: must be >= 1")
     cache_dir = Path(data.cache_dir)
     mix = mix if mix is not None else load_mix(data.mix)
-    tokenizer = ensure_tokenizer(data, vocab_size, mix, progress=progress)
+    tokenizer = ensure_tokenizer(data, vocab_size, mix, progress=progress, before_change=build.before_change)
     dtype = dtype_for_vocab(tokenizer.vocab_size)
     old = _previous_manifest(cache_dir)
     same_tokenizer = old is not None and old.tokenizer.sha256 == tokenizer.sha256 and not force
@@ -378,6 +393,7 @@ def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, 
                     previous.group = group_name  # moving a source between groups needs no re-tokenising
                     status[name] = "cached"
                     continue
+                build.before_change(f"{'rebuild' if previous is not None else 'build'} its source {name}")
                 if source.type == "megatron":  # existing shards: recorded in place, nothing written
                     manifest.sources[name] = ingest_source(name, group_name, source, config_hash=config_hash,
                                                            vocab_size=tokenizer.vocab_size, progress=progress)
@@ -404,6 +420,7 @@ def prepare_data(data: DataConfig, vocab_size: int, workers: int | None = None, 
     manifest.sources = {name: manifest.sources[name] for name in names}  # mix order; drops removed sources
     # a rebuild can end equal to the manifest it started from while the file holds a checkpoint's incomplete one
     if old is None or saved_midway or dataclasses.asdict(old) != dataclasses.asdict(manifest):
+        build.before_change("rewrite its manifest (sources or groups changed)")
         save_manifest(manifest, cache_dir)
     written = [shard for name, record in manifest.sources.items() if status.get(name) in ("built", "linked")
                for shard in record.shards]

@@ -30,7 +30,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -331,16 +331,28 @@ def _remove_tokenizers(directory: Path, keep: set[str]) -> None:
             (directory / name).unlink(missing_ok=True)
 
 
-def _install_tokenizer(source: Path, directory: Path) -> Path:
+def _no_check(what: str) -> None:
+    """``before_change`` where no other run can read the cache (nothing locked it)."""
+
+
+def _other_tokenizers(directory: Path, keep: set[str]) -> bool:
+    return any((directory / name).exists() for name in (*TOKENIZER_FILES, HF_TOKENIZER_CONFIG_FILE) if name not in keep)
+
+
+def _install_tokenizer(source: Path, directory: Path, before_change: Callable[[str], None] = _no_check) -> Path:
     """Copy a given tokenizer (and its tokenizer_config.json) into the cache under the checkpoint names,
     atomically and only when the bytes differ; returns the cached tokenizer file."""
     directory.mkdir(parents=True, exist_ok=True)
     files = tokenizer_companions(source)
     targets = [directory / tokenizer_file_name(source)] + [directory / HF_TOKENIZER_CONFIG_FILE] * (len(files) - 1)
-    _remove_tokenizers(directory, keep={target.name for target in targets})
-    for file, target in zip(files, targets):
-        if not target.is_file() or file_sha256(file) != file_sha256(target):
-            copy_file_atomic(file, target)
+    keep = {target.name for target in targets}
+    copies = [(file, target) for file, target in zip(files, targets)
+              if not target.is_file() or file_sha256(file) != file_sha256(target)]
+    if copies or _other_tokenizers(directory, keep):
+        before_change(f"replace its tokenizer by {source}")
+    _remove_tokenizers(directory, keep=keep)
+    for file, target in copies:
+        copy_file_atomic(file, target)
     return targets[0]
 
 
@@ -364,11 +376,13 @@ def _trained_tokenizer(target: Path, spec_path: Path, spec: dict[str, Any]) -> T
 
 
 def ensure_tokenizer(data: DataConfig, vocab_size: int, mix: MixConfig | None = None, *, retrain: bool = False,
-                     progress: bool = True) -> AnyTokenizer:
+                     progress: bool = True, before_change: Callable[[str], None] = _no_check) -> AnyTokenizer:
     """The cache's tokenizer: a copy of ``data.tokenizer.model`` (SentencePiece, or a Hugging Face
     tokenizer.json with its tokenizer_config.json), or a SentencePiece model trained from the mix (reused
     while the vocabulary size, sample size, mix and trainer settings are unchanged); ``vocab_size`` is
-    model.vocab_size (the tokenizer must fit it), ``mix`` data.mix parsed (parsed here when not given)."""
+    model.vocab_size (the tokenizer must fit it), ``mix`` data.mix parsed (parsed here when not given).
+    ``before_change(what)`` runs before the cache's tokenizer files change (data/cache_lock.py: it refuses while
+    another run reads the cache)."""
     mix = mix if mix is not None else load_mix(data.mix)
     check_megatron_tokenizer(data, mix)  # pre-tokenised shards: the model is given, never trained
     cache_dir = Path(data.cache_dir)
@@ -382,7 +396,7 @@ def ensure_tokenizer(data: DataConfig, vocab_size: int, mix: MixConfig | None = 
             source = resolve_tokenizer_path(given)
         except ValueError as error:
             raise ValueError(f"{origin}: {error}") from None
-        target = _install_tokenizer(source, target.parent)
+        target = _install_tokenizer(source, target.parent, before_change)
         spec_path.unlink(missing_ok=True)  # not trained by us: a later null model must retrain
         try:
             tokenizer = load_tokenizer(target)
@@ -394,10 +408,14 @@ def ensure_tokenizer(data: DataConfig, vocab_size: int, mix: MixConfig | None = 
                 raise ValueError(f"{origin}: {error}; fix or replace that file") from None
             raise
     else:
+        if _other_tokenizers(target.parent, keep={target.name}):
+            before_change("replace its tokenizer by one trained from the mix")
         _remove_tokenizers(target.parent, keep={target.name})  # an earlier given tokenizer.json
         spec = json.loads(json.dumps(_tokenizer_spec(data, vocab_size, mix)))  # normalised (tuples -> lists)
         tokenizer = None if retrain else _trained_tokenizer(target, spec_path, spec)
         if tokenizer is None:
+            before_change(f"train its tokenizer anew ({vocab_size} pieces, data.tokenizer.sample_chars="
+                          f"{data.tokenizer.sample_chars})")
             start = time.perf_counter()
             tokenizer = train_from_mix(mix, target, vocab_size, data.tokenizer.sample_chars,
                                        num_threads=data.num_workers, progress=progress)

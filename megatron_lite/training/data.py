@@ -12,12 +12,13 @@ from torch.utils.data import DataLoader
 from megatron_lite.config import Config, MixConfig
 from megatron_lite.data.loader import build_train_valid_datasets, sample_loader
 from megatron_lite.data.manifest import Manifest, load_manifest
+from megatron_lite.data.rank_zero_wait import RankZeroBuild
 from megatron_lite.console import console, notice
 from megatron_lite.data.mix import SourcePasses, format_passes, load_mix, repeat_warning, source_passes
 from megatron_lite.data.tokenizer import check_document_mask
 from megatron_lite.data.verify import ShardVerificationError, ensure_verified
 from megatron_lite.training.deepspeed_config import BatchSizes
-from megatron_lite.training.distributed import DistributedInfo, all_reduce_sum, barrier
+from megatron_lite.training.distributed import DistributedInfo, barrier
 
 
 # DataLoader workers start as fresh interpreters, not forked: by the time the training iterator starts them the
@@ -83,20 +84,23 @@ def validation_samples(config: Config) -> int:
 def _prepare_on_rank0(config: Config, dist_info: DistributedInfo, verify_data: bool = False) -> MixConfig:
     """Rank 0 parses the mix, tokenises (cached after the first run) and verifies the shards not yet
     verified (all of them when ``verify_data``; data/verify.py) before any rank opens them; every rank
-    learns whether it worked; returns the mix (the other ranks parse it once preparation succeeded)."""
+    learns whether it worked, waiting as long as that takes (data/rank_zero_wait.py: no collective timeout);
+    returns the mix (the other ranks parse it once preparation succeeded). Rank 0 counts as a reader of the
+    cache until it exits, so no run with other settings rebuilds it meanwhile (data/cache_lock.py)."""
     from megatron_lite.data.preprocess import prepare_data
 
     error: Exception | None = None
     mix: MixConfig | None = None
+    waiting = RankZeroBuild(str(config.data.cache_dir))
     if dist_info.is_main:
         try:
             mix = load_mix(config.data.mix)
             manifest = prepare_data(config.data, config.model.vocab_size, mix=mix,
-                                    brief_when_cached=not VERBOSE_SUMMARY["on"])
+                                    brief_when_cached=not VERBOSE_SUMMARY["on"], keep_reading=True)
             ensure_verified(config.data.cache_dir, manifest, force=verify_data)
         except (ValueError, OSError) as caught:
             error = caught
-    failed = all_reduce_sum([1.0 if error is not None else 0.0], dist_info.device)[0]
+    failed = waiting.failed_anywhere(error is not None)
     if isinstance(error, ShardVerificationError):
         raise error  # already one line naming the shard
     if error is not None:
