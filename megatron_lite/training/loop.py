@@ -93,8 +93,6 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     # the held-out books read now: a missing or short one stops the run before DeepSpeed starts
     extrapolation = (ExtrapolationEval.from_run(config, data.tokenizer_path, dist_info.device)
                      if config.train.extrapolation_eval.interval else None)
-    if dist_info.is_main:
-        config_lib.save(config, run_dir / checkpoint_dirs.CONFIG_FILE)
 
     resume_dir = find_resume_checkpoint(resume, run_dir, dist_info)
     marker: dict[str, Any] = {}
@@ -114,6 +112,8 @@ def _train(config: Config, run_dir: Path, dist_info: DistributedInfo, batch_size
     staged, _ = start_engine(config, batch_sizes, dist_info, stages, resume_dir, marker,
                              load_universal=plan is not None and plan.universal)
     state = _starting_state(staged, resume_dir, plan, data.total_steps)
+    if dist_info.is_main:  # only now, every check passed: a refused run leaves its run dir as it was
+        config_lib.save(config, run_dir / checkpoint_dirs.CONFIG_FILE)
         checkpoint_dirs.remove_abandoned_saves(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)  # ours: we hold the lock
     train_loader, valid_loader = data.loaders(config, batch_sizes, dist_info, state.consumed_samples)
     logger = metrics_lib.MetricsLogger(config, run_dir, enabled=dist_info.is_main, start_step=state.step)
