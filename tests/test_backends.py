@@ -11,7 +11,11 @@ import torch
 from conftest import ROTARY_IDS, ROTARY_SCHEMES, SCHEME_IDS, SCHEMES, tiny_config
 from megatron_lite.config import RopeScalingConfig
 from megatron_lite.model import build_model
-from megatron_lite.model.attention import check_backend_available
+from megatron_lite.model import flex
+from megatron_lite.model.attention import (check_backend_available, chunked_attention, reference_attention,
+                                           sdpa_attention)
+from megatron_lite.model.masks import sdpa_mask
+from megatron_lite.model.position import alibi_slopes
 
 LENGTHS = [1, 16, 23, 50]  # chunk_size is 16: exact multiples, remainders, a single token
 
@@ -144,3 +148,92 @@ def test_flash_matches_sdpa_on_gpu(scheme: str, constraint: str) -> None:
         with torch.no_grad():
             outputs[backend] = model(input_ids).float()
     assert (outputs["flash"] - outputs["sdpa"]).abs().max() <= 5e-2
+
+
+# ALiBi exactness. A query at position `far` and two keys at distances far and far - 1, with q = k = 0: the
+# weights are ALiBi's alone, softmax(-s (far, far - 1)), so the key at distance `far` weighs 1 / (1 + e^s). In
+# bf16, distances above 256 are not all representable: 301 and 300 (8,001 and 8,000) round to one value and a
+# bias built in the model dtype gives both keys 1/2 (head 0: s = 2^-0.5, exact weight 0.330).
+ALIBI_HEADS = 16
+
+
+def alibi_probe(far: int, device: str = "cpu") -> tuple[torch.Tensor, ...]:
+    """(q, k, v, q_positions, k_positions, slopes, expected (H,) float64) for two keys at distances far, far - 1;
+    v is 1 on the farther key, 0 on the other, so output[..., 0] is the farther key's weight."""
+    q_BHTD = torch.zeros(1, ALIBI_HEADS, 1, 8, dtype=torch.bfloat16, device=device)
+    k_BHSD = torch.zeros(1, ALIBI_HEADS, 2, 8, dtype=torch.bfloat16, device=device)
+    v_BHSD = torch.zeros_like(k_BHSD)
+    v_BHSD[:, :, 0] = 1.0
+    slopes_H = torch.tensor(alibi_slopes(ALIBI_HEADS), dtype=torch.float32, device=device)
+    expected_H = 1.0 / (1.0 + torch.exp(slopes_H.double().cpu()))
+    return (q_BHTD, k_BHSD, v_BHSD, torch.tensor([far], device=device), torch.tensor([0, 1], device=device), slopes_H,
+            expected_H)
+
+
+def alibi_kernel_output(kernel: str, q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor,
+                        q_positions: torch.Tensor, k_positions: torch.Tensor, slopes_H: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """One kernel path of model/attention.py and model/flex.py on the same inputs: (B, H, T, D)."""
+    if kernel == "sdpa":
+        return sdpa_attention(q_BHTD, k_BHSD, v_BHSD, "general", q_positions, k_positions, slopes_H, scale)
+    if kernel == "sdpa_forward_mask":  # the bias PositionContext builds once per forward (in float32)
+        mask = sdpa_mask(q_positions, k_positions, slopes_H, torch.float32)
+        return sdpa_attention(q_BHTD, k_BHSD, v_BHSD, "general", q_positions, k_positions, slopes_H, scale, mask=mask)
+    if kernel == "chunked":
+        return chunked_attention(q_BHTD, k_BHSD, v_BHSD, q_positions, k_positions, slopes_H, scale, chunk_size=16)
+    block_mask = flex.build_block_mask(q_positions, k_positions)
+    if kernel == "flex_training":  # inputs that require grad: flex's training path
+        q_BHTD = q_BHTD.clone().requires_grad_()
+    out = flex.flex_attention_forward(q_BHTD, k_BHSD, v_BHSD, block_mask, q_positions, k_positions, slopes_H, scale)
+    return out.detach()
+
+
+ALIBI_KERNELS = ["sdpa", "sdpa_forward_mask", "chunked", "flex", "flex_training"]
+
+
+@pytest.mark.parametrize("far", [301, 8001])
+def test_alibi_bias_tells_adjacent_distances_apart_in_bf16(far: int) -> None:
+    _, _, _, q_positions, k_positions, slopes_H, _ = alibi_probe(far)
+    bias = sdpa_mask(q_positions, k_positions, slopes_H, torch.bfloat16)  # (1, H, 1, 2)
+    assert bias.dtype == torch.float32
+    expected = -slopes_H.double()[:, None] * torch.tensor([far, far - 1], dtype=torch.float64)
+    assert torch.allclose(bias[0, :, 0].double(), expected, rtol=1e-6, atol=0)
+    assert (bias[0, :, 0, 1] - bias[0, :, 0, 0] > 0).all()
+
+
+@pytest.mark.parametrize("kernel", ALIBI_KERNELS)
+@pytest.mark.parametrize("far", [301, 8001])
+def test_alibi_kernels_tell_adjacent_distances_apart_in_bf16(kernel: str, far: int) -> None:
+    q_BHTD, k_BHSD, v_BHSD, q_positions, k_positions, slopes_H, expected_H = alibi_probe(far)
+    out = alibi_kernel_output(kernel, q_BHTD, k_BHSD, v_BHSD, q_positions, k_positions, slopes_H, scale=1.0)
+    farther_weight_H = out[0, :, 0, 0].double()
+    assert (farther_weight_H - expected_H).abs().max() <= 2e-3  # bf16 output; equal biases would give 0.5
+
+
+@pytest.mark.parametrize("kernel", ALIBI_KERNELS)
+def test_alibi_kernels_equal_the_float64_reference_at_4k(kernel: str) -> None:
+    """The last 64 queries of a 4,096-token window against every key, bf16 inputs, 2 heads of 8 dims."""
+    generator = torch.Generator().manual_seed(0)
+    length, queries, heads, head_dim = 4096, 64, 2, 8
+    q_BHTD = torch.randn(1, heads, queries, head_dim, generator=generator).to(torch.bfloat16)
+    k_BHSD, v_BHSD = (torch.randn(1, heads, length, head_dim, generator=generator).to(torch.bfloat16) for _ in range(2))
+    k_positions = torch.arange(length)
+    q_positions = k_positions[-queries:]
+    slopes_H = torch.tensor(alibi_slopes(heads), dtype=torch.float32)
+    scale = head_dim ** -0.5
+    expected = reference_attention(q_BHTD.double() @ k_BHSD.double().transpose(-2, -1), v_BHSD.double(), q_positions,
+                                   k_positions, slopes_H, scale)
+    out = alibi_kernel_output(kernel, q_BHTD, k_BHSD, v_BHSD, q_positions, k_positions, slopes_H, scale)
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - expected).abs().max() <= 2e-2  # bf16 output and probabilities (max |expected| ~ 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["sdpa", "chunked", "flex", "flex_training"])
+def test_alibi_kernels_tell_adjacent_distances_apart_on_gpu(kernel: str) -> None:
+    """CUDA: sdpa and chunked run half-precision q/k/v in float32 against the float32 bias, flex compiles its
+    float32 score_mod into the fused kernel (flash-attn's alibi_slopes, float32 too, take no positions)."""
+    q_BHTD, k_BHSD, v_BHSD, q_positions, k_positions, slopes_H, expected_H = alibi_probe(8001, device="cuda")
+    out = alibi_kernel_output(kernel, q_BHTD, k_BHSD, v_BHSD, q_positions, k_positions, slopes_H, scale=1.0)
+    assert (out[0, :, 0, 0].double().cpu() - expected_H).abs().max() <= 2e-3

@@ -27,7 +27,7 @@ from megatron_lite.model import flex
 from megatron_lite.model.context import MaskMode, PositionContext, mask_mode
 from megatron_lite.model.gqa import is_grouped, repeat_kv
 from megatron_lite.model.kv_cache import LayerCache
-from megatron_lite.model.masks import attention_mask, sdpa_mask
+from megatron_lite.model.masks import attention_mask, bias_dtype, sdpa_mask
 from megatron_lite.model.position import PositionScheme
 from megatron_lite.model.rope import RotaryTables
 
@@ -55,10 +55,25 @@ def sdpa_attention(
         return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, scale=scale, dropout_p=dropout_p, enable_gqa=gqa)
     if mask is None:
         mask = sdpa_mask(q_positions, k_positions, slopes_H, q_BHTD.dtype)
-    elif mask.is_floating_point() and mask.dtype != q_BHTD.dtype:  # a bias must match the queries' dtype
-        mask = mask.to(q_BHTD.dtype)
+    if mask.is_floating_point():
+        return sdpa_with_bias(q_BHTD, k_BHSD, v_BHSD, mask, scale, dropout_p, gqa)
     return F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=mask, scale=scale, dropout_p=dropout_p,
                                           enable_gqa=gqa)
+
+
+def sdpa_with_bias(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, bias_1HTS: torch.Tensor,
+                   scale: float, dropout_p: float, gqa: bool) -> torch.Tensor:
+    """SDPA with ALiBi's bias, never rounded below float32 (``masks.bias_dtype``): in bf16 distances above 256 would
+    share biases. The CPU kernels take a float32 bias with bf16/fp16 queries; CUDA's memory-efficient kernel takes a
+    bias only in the queries' dtype, so half-precision q/k/v run in float32 there (exact, slower: the flex and
+    flash backends add ALiBi inside the kernel instead)."""
+    bias_1HTS = bias_1HTS.to(bias_dtype(q_BHTD.dtype))
+    dtype = q_BHTD.dtype
+    if q_BHTD.device.type == "cuda" and dtype != bias_1HTS.dtype:
+        q_BHTD, k_BHSD, v_BHSD = (t.to(bias_1HTS.dtype) for t in (q_BHTD, k_BHSD, v_BHSD))
+    out_BHTD = F.scaled_dot_product_attention(q_BHTD, k_BHSD, v_BHSD, attn_mask=bias_1HTS, scale=scale,
+                                              dropout_p=dropout_p, enable_gqa=gqa)
+    return out_BHTD.to(dtype)
 
 
 def chunked_attention(q_BHTD: torch.Tensor, k_BHSD: torch.Tensor, v_BHSD: torch.Tensor, q_positions: torch.Tensor,

@@ -15,10 +15,13 @@ What torch 2.13 does on CPU (measured; see tests/test_flex_kernel.py):
     (aot_eager and inductor alike: the check runs while tracing). Without grad it runs eagerly through
     an unfused math implementation (materialises the (B, H, T, S) scores; correct, warns once about
     performance) and compiles with inductor (CPU C++ kernel; ~10 s compile) or aot_eager.
-  * So on CPU/MPS, when any input requires grad, ``flex_attention_forward`` evaluates the SAME
-    mask_mod (``block_mask.mask_mod``) and score_mod densely on broadcast index grids: ordinary autograd
-    ops, differentiable, and traceable by ``torch.compile(fullgraph=True)``. Memory is O(B H T S) there,
-    exactly like the reference backend; use 'chunked' for long CPU training runs.
+  * That eager math path keeps the scores in the inputs' dtype: in bf16 ALiBi's biases at distances 300
+    and 301 (8,000 and 8,001) came out equal (tests/test_backends.py), and it took ~30x the time of the
+    dense evaluation below at 4K tokens.
+  * So on CPU/MPS, when any input requires grad or outside an enclosing compile, ``flex_attention_forward``
+    evaluates the SAME mask_mod (``block_mask.mask_mod``) and score_mod densely on broadcast index grids, scores
+    in float32: ordinary autograd ops, differentiable, and traceable by ``torch.compile(fullgraph=True)``.
+    Memory is O(B H T S) there, exactly like the reference backend; use 'chunked' for long CPU runs.
   * On CUDA the raw ``flex_attention`` would also fall back to the unfused math path, so it is wrapped
     once in a module-level ``torch.compile`` (the fused Triton kernel, forward and backward). Inside an
     enclosing ``torch.compile`` the raw function is called and the outer graph compiles it.
@@ -29,7 +32,8 @@ What torch 2.13 does on CPU (measured; see tests/test_flex_kernel.py):
     one band's mask at most, whatever the length, and no compile.
 
 dtype: q/k/v share one dtype (fp32, fp16, bf16). The ALiBi bias is computed in float32 (slopes and
-distances as float32, like the reference's float mask) and added to the kernel's score.
+distances as float32, like the reference's float mask) and added to the kernel's score, which the fused
+kernels and the dense evaluation keep in float32: every distance below 2**24 gets its own bias.
 Device: build the block mask on q's device (flex_attention requires them equal).
 """
 
@@ -225,9 +229,12 @@ def _flex_kernel(device: torch.device, compiled: bool | None) -> Callable[..., T
     return flex_attention
 
 
-def _flex_has_no_backward(*tensors: Tensor) -> bool:
-    """torch's own condition: CPU/MPS flex refuses inputs that require grad (even under no_grad)."""
-    return tensors[0].device.type in ("cpu", "mps") and any(t.requires_grad for t in tensors)
+def _runs_dense(*tensors: Tensor) -> bool:
+    """CPU/MPS: torch's flex refuses inputs that require grad (even under no_grad, compiled or not); without grad
+    and outside an enclosing compile it runs an unfused math path that keeps half-precision scores (ALiBi's biases
+    at distances 300 and 301 came out equal in bf16) and took ~30x the dense path's time at 4K tokens."""
+    return tensors[0].device.type in ("cpu", "mps") and (
+        any(t.requires_grad for t in tensors) or not torch.compiler.is_compiling())
 
 
 def flex_attention_forward(q_BHTD: Tensor, k_BHSD: Tensor, v_BHSD: Tensor, block_mask: Any, q_positions_T: Tensor,
@@ -243,7 +250,7 @@ fewer (grouped-query) heads (B, H_kv, S, D).
         raise ValueError(f"flex_attention_forward: block_mask of shape {tuple(block_mask.shape)} does not match "
                          f"T={q_BHTD.shape[-2]}, S={k_BHSD.shape[-2]}; build it for this forward")
     score_mod = None if slopes_H is None else alibi_score_mod(q_positions_T, k_positions_S, slopes_H)
-    if _flex_has_no_backward(q_BHTD, k_BHSD, v_BHSD):
+    if _runs_dense(q_BHTD, k_BHSD, v_BHSD):
         heads = q_BHTD.shape[1]
         return dense_flex_attention(q_BHTD, repeat_kv(k_BHSD, heads), repeat_kv(v_BHSD, heads), block_mask.mask_mod,
                                     score_mod, scale)
