@@ -19,6 +19,7 @@ from megatron_lite import config as config_lib
 from megatron_lite.cli import cli_main, run_cli
 from megatron_lite.config import Config
 from megatron_lite.data.loader import data_report, decode_tokens
+from megatron_lite.data.eval_overlap import evaluation_line
 from megatron_lite.data.manifest import Manifest, load_manifest, manifest_path
 from megatron_lite.data.mix import load_mix, repeat_warning
 from megatron_lite.data.preprocess import prepare_data
@@ -56,6 +57,7 @@ def format_text(report: dict) -> str:
     if run["warning"]:
         lines.append(f"warning: {run['warning']}")
     sample = report["sample"]
+    lines += ["", report["evaluation"]] if "evaluation" in report else []
     lines += ["", f"sample 0 ({sample['source']}, {sample['group']}):"]
     lines.append(sample["text"] if sample.get("text") is not None else f"token ids: {sample['input_ids']}")
     return "\n".join(lines) + "\n"
@@ -88,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                          global_batch=batch.global_batch_size)
     report["run"] = run_report(config, manifest, batch)
     report["sample"]["text"] = decode_tokens(report["sample"]["input_ids"], config.data.cache_dir, manifest)
+    report["evaluation"] = evaluation_line(manifest)  # the evaluation texts checked, the training documents dropped
     print(json.dumps(report, indent=2) if args.json else format_text(report), end="\n" if args.json else "")
     return 0
 

@@ -288,6 +288,11 @@ class DataConfig:
     )
     num_workers: int = _doc("Tokenisation worker processes.", default=2)
     seed: int = _doc("Seed of the validation split and the sample order.", default=1234)
+    eval_texts: list[str] = _doc(
+        "Evaluation texts kept out of training, as train.extrapolation_eval.books names books (a .txt directory, a "
+        "file, a datasets id). Training documents that overlap one are dropped and counted when the data is built "
+        "(docs/data.md); a path that does not exist is reported; [] checks nothing.",
+        default_factory=lambda: ["data/eval"])
 
 
 # ----------------------------------------------------------------------------------------------

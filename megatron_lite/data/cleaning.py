@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_lite.config import SourceConfig
@@ -20,6 +21,7 @@ MAX_EXAMPLES = 5  # locations kept per problem for the report
 TOO_SHORT = "too_short"
 DUPLICATE = "duplicate"
 GUTENBERG_MARKERS_MISSING = "gutenberg_markers_missing"
+OVERLAPS_EVALUATION = "overlaps_evaluation_text"  # eval_overlap.py: shares much text with an evaluation book
 
 # "*** START OF THE PROJECT GUTENBERG EBOOK TITLE ***" and the older "THIS ... EBOOK/ETEXT"
 # variants; the title and the closing stars are optional (some files wrap or omit them).
@@ -69,10 +71,12 @@ def strip_gutenberg(text: str) -> tuple[str, bool]:
 
 
 class Cleaner:
-    """Applies one source's cleaning settings; returns the cleaned text or None (dropped, counted)."""
+    """Applies one source's cleaning settings; returns the cleaned text or None (dropped, counted).
+    ``evaluation_match(text)`` names the evaluation text a document overlaps (None: it overlaps none)."""
 
-    def __init__(self, source: SourceConfig) -> None:
+    def __init__(self, source: SourceConfig, evaluation_match: Callable[[str], str | None] | None = None) -> None:
         self.source = source
+        self.evaluation_match = evaluation_match
         self.dropped = Tally()
         self.warnings = Tally()
         # 16-byte digests: exact-duplicate detection needs collision resistance, not secrecy,
@@ -95,6 +99,9 @@ class Cleaner:
                 self.dropped.add(DUPLICATE, location)
                 return None
             self._seen.add(digest)
+        if self.evaluation_match is not None and (overlapped := self.evaluation_match(text)) is not None:
+            self.dropped.add(OVERLAPS_EVALUATION, f"{location} (evaluation text {overlapped})")
+            return None
         if not markers_found:  # warnings count kept documents only; drops are counted above
             self.warnings.add(GUTENBERG_MARKERS_MISSING, location)
         return text

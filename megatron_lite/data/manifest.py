@@ -50,9 +50,20 @@ class TokenizerRecord:
 
 
 @dataclass
+class EvaluationRecord:
+    """The evaluation texts the sources were checked against (data/eval_overlap.py)."""
+
+    key: str  # folded into every text source's config_hash: other texts -> the sources are built (checked) again
+    specs: list[str]  # data.eval_texts as given
+    texts: list[str]  # the evaluation texts read (locations)
+    missing: list[str] = field(default_factory=list)  # specs naming no existing path: nothing of them checked
+
+
+@dataclass
 class Manifest:
     tokenizer: TokenizerRecord
     sources: dict[str, SourceRecord] = field(default_factory=dict)
+    evaluation: EvaluationRecord | None = None  # None: a cache built before evaluation texts were checked
 
     def shard_prefixes(self, cache_dir: str | Path, source: str) -> list[Path]:
         return [Path(cache_dir) / shard.prefix for shard in self.sources[source].shards]
@@ -78,4 +89,5 @@ def load_manifest(cache_dir: str | Path) -> Manifest:
         name: SourceRecord(**{**record, "shards": [ShardRecord(**shard) for shard in record["shards"]]})
         for name, record in data["sources"].items()
     }
-    return Manifest(tokenizer=TokenizerRecord(**data["tokenizer"]), sources=sources)
+    evaluation = EvaluationRecord(**data["evaluation"]) if data.get("evaluation") else None
+    return Manifest(tokenizer=TokenizerRecord(**data["tokenizer"]), sources=sources, evaluation=evaluation)

@@ -31,6 +31,7 @@ from megatron_lite.config import DataConfig, MixConfig, SourceConfig
 from megatron_lite.data.cache_lock import CacheBuild, building
 from megatron_lite.console import notice
 from megatron_lite.data.cleaning import MAX_EXAMPLES, Cleaner, Tally
+from megatron_lite.data.eval_overlap import EvalFingerprint, EvaluationCheck, evaluation_line
 from megatron_lite.data.indexed import HEADER_SIZE, IndexedDatasetWriter, dtype_for_vocab, neox_prefix
 from megatron_lite.data.manifest import (Manifest, ShardRecord, SourceRecord, TokenizerRecord, load_manifest,
                                          manifest_path, save_manifest)
@@ -117,10 +118,13 @@ class _Encoder:
 # One source
 
 
-def source_config_hash(source: SourceConfig, name: str) -> str:
-    """What determines a source's shards: its settings (not its blend weight) and its local inputs."""
+def source_config_hash(source: SourceConfig, name: str, evaluation_key: str = "") -> str:
+    """What determines a source's shards: its settings (not its blend weight), its local inputs and the
+    evaluation texts its documents were checked against."""
     settings = {k: v for k, v in source_settings(source).items() if k != "weight"}
     payload = {"version": PIPELINE_VERSION, "source": settings, "inputs": input_fingerprint(source, name)}
+    if evaluation_key:
+        payload["evaluation"] = evaluation_key
     return json_sha256(payload)
 
 
@@ -185,8 +189,10 @@ def _reusable_shards(previous: SourceRecord | None, config_hash: str, cache_dir:
 
 def build_source(name: str, group: str, source: SourceConfig, *, cache_dir: Path, encoder: _Encoder,
                  dtype: np.dtype, config_hash: str, documents_per_shard: int, previous: SourceRecord | None,
-                 strict: bool, progress: bool, checkpoint: Callable[[SourceRecord], None]) -> SourceRecord:
-    """Read, clean, tokenise and shard one source; ``checkpoint(record)`` runs after each shard."""
+                 strict: bool, progress: bool, checkpoint: Callable[[SourceRecord], None],
+                 evaluation: EvalFingerprint | None = None) -> SourceRecord:
+    """Read, clean, tokenise and shard one source; ``checkpoint(record)`` runs after each shard. A document
+    overlapping an ``evaluation`` text is dropped and counted."""
     keep = _reusable_shards(previous, config_hash, cache_dir, dtype.itemsize, documents_per_shard)
     kept = {shard.prefix for shard in keep}
     shard_dir = cache_dir / "shards" / name
@@ -196,7 +202,7 @@ def build_source(name: str, group: str, source: SourceConfig, *, cache_dir: Path
             path.unlink()
     record = SourceRecord(group=group, config_hash=config_hash, shards=list(keep))
     checkpoint(record)  # on disk: incomplete from now on (its old shards may be gone)
-    skipped, cleaner = Tally(), Cleaner(source)
+    skipped, cleaner = Tally(), Cleaner(source, evaluation.match if evaluation is not None else None)
     skip_documents = len(keep) * documents_per_shard  # already in the kept shards: count, do not encode
     bar = tqdm(desc=name, unit="doc", total=source.max_documents, disable=not progress, dynamic_ncols=True)
 
@@ -305,6 +311,7 @@ def format_report(manifest: Manifest, cache_dir: str | os.PathLike[str], status:
         lines.append("read in place (type megatron, not copied into the cache):")
         lines.extend(f"  {name}: {len(shards)} shard(s), {shards[0].prefix}{' ...' if len(shards) > 1 else ''}"
                      for name, shards in external.items())
+    lines.append(evaluation_line(manifest))
     sections = (("skipped (not in the shards)", lambda r: (r.skipped, r.skipped_examples)),
                 ("warnings (kept in the shards)", lambda r: (r.warnings, r.warning_examples)))
     for title, select in sections:
@@ -325,7 +332,7 @@ def format_reuse_line(manifest: Manifest, cache_dir: str | os.PathLike[str]) -> 
     return (f"data cache {cache_dir}: reused, {len(manifest.sources)} source(s) "
             f"({', '.join(manifest.sources)}), {sum(r.documents for r in records):,} documents, "
             f"{sum(r.tokens for r in records):,} tokens, {skipped:,} records skipped; tokenizer "
-            f"{manifest.tokenizer.path} (--verbose: the full summary)")
+            f"{manifest.tokenizer.path} (--verbose: the full summary)\n{evaluation_line(manifest)}")
 
 
 def _previous_manifest(cache_dir: Path) -> Manifest | None:
@@ -372,6 +379,7 @@ def _prepare_locked(data: DataConfig, vocab_size: int, workers: int | None, stri
     tokenizer = ensure_tokenizer(data, vocab_size, mix, progress=progress, before_change=build.before_change)
     dtype = dtype_for_vocab(tokenizer.vocab_size)
     old = _previous_manifest(cache_dir)
+    evaluation = EvaluationCheck(data.eval_texts)
     same_tokenizer = old is not None and old.tokenizer.sha256 == tokenizer.sha256 and not force
     manifest = Manifest(
         tokenizer=TokenizerRecord(path=tokenizer.path.relative_to(cache_dir).as_posix(), sha256=tokenizer.sha256,
@@ -379,6 +387,7 @@ def _prepare_locked(data: DataConfig, vocab_size: int, workers: int | None, stri
                                   eod_id=tokenizer.eod_id, pad_id=tokenizer.pad_id),
         # Until rebuilt, sources keep their old entries, so an interruption loses nothing finished.
         sources=copy.deepcopy(old.sources) if same_tokenizer and old is not None else {},
+        evaluation=old.evaluation if same_tokenizer and old is not None else None,
     )
     status: dict[str, str] = {}
     saved_midway = False  # a build's checkpoints wrote incomplete entries: the final manifest must be written
@@ -386,7 +395,7 @@ def _prepare_locked(data: DataConfig, vocab_size: int, workers: int | None, stri
     try:
         for group_name, group in mix.groups.items():
             for name, source in group.sources.items():
-                config_hash = source_config_hash(source, name)
+                config_hash = source_config_hash(source, name, "" if source.type == "megatron" else evaluation.key)
                 previous = manifest.sources.get(name)
                 if _is_cached(previous, config_hash, source, cache_dir, dtype.itemsize):
                     assert previous is not None
@@ -412,12 +421,13 @@ def _prepare_locked(data: DataConfig, vocab_size: int, workers: int | None, stri
                 manifest.sources[name] = build_source(
                     name, group_name, source, cache_dir=cache_dir, encoder=encoder, dtype=dtype,
                     config_hash=config_hash, documents_per_shard=documents_per_shard, previous=previous,
-                    strict=strict, progress=progress, checkpoint=checkpoint)
+                    strict=strict, progress=progress, checkpoint=checkpoint, evaluation=evaluation.fingerprint())
                 status[name] = "resumed" if resumed else "built"
     finally:
         encoder.close()
     names = [name for group in mix.groups.values() for name in group.sources]
     manifest.sources = {name: manifest.sources[name] for name in names}  # mix order; drops removed sources
+    manifest.evaluation = evaluation.record(manifest.evaluation)
     # a rebuild can end equal to the manifest it started from while the file holds a checkpoint's incomplete one
     if old is None or saved_midway or dataclasses.asdict(old) != dataclasses.asdict(manifest):
         build.before_change("rewrite its manifest (sources or groups changed)")

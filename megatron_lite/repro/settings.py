@@ -249,14 +249,17 @@ def config_path(settings: ReproSettings, scheme: str) -> Path:
 
 
 def all_overrides(settings: ReproSettings) -> list[str]:
-    """The profile's overrides, the in-training extrapolation curve on the evaluation books, the user's --set
-    overrides, then the data location (JSON strings are valid YAML scalars)."""
+    """The profile's overrides, the in-training extrapolation curve on the evaluation books, the evaluation books
+    kept out of the training data, the user's --set overrides, then the data location (JSON strings are valid YAML
+    scalars)."""
     # paper-350m trains the repository's configs unchanged unless the user turns the curve on with --set
     wanted = (settings.profile != "paper-350m"
               or any(override.startswith("train.extrapolation_eval.") for override in settings.overrides))
     curve = ([f"train.extrapolation_eval.books={json.dumps(str(settings.eval_books))}"]
              if settings.eval_books is not None and wanted else [])
-    return [*settings.profile_overrides, *curve, *settings.overrides, f"data.mix={json.dumps(str(mix_path(settings)))}",
+    held_out = [f"data.eval_texts={json.dumps([str(settings.eval_books)])}"] if settings.eval_books is not None else []
+    return [*settings.profile_overrides, *curve, *held_out, *settings.overrides,
+            f"data.mix={json.dumps(str(mix_path(settings)))}",
             f"data.cache_dir={json.dumps(str(settings.out_dir / 'data' / 'cache'))}"]
 
 
