@@ -186,6 +186,21 @@ def _plural(count: int, noun: str) -> str:
     return f"{count:,} {noun}{'' if count == 1 else 's'}"
 
 
+def _dropped(manifest: Manifest) -> list[tuple[str, int, list[str]]]:
+    """(source, training documents dropped for overlapping evaluation text, first locations) per source."""
+    return [(name, count, source.skipped_examples.get(OVERLAPS_EVALUATION, []))
+            for name, source in manifest.sources.items() if (count := source.skipped.get(OVERLAPS_EVALUATION, 0))]
+
+
+def evaluation_brief(manifest: Manifest) -> str:
+    """A clause for the one-line summary of a reused cache: texts checked, training documents dropped."""
+    record = manifest.evaluation
+    if record is None or not record.texts:
+        return "no evaluation text checked"
+    total = sum(count for _, count, _ in _dropped(manifest))
+    return f"{_plural(len(record.texts), 'evaluation text')} checked, {_plural(total, 'training document')} dropped"
+
+
 def evaluation_line(manifest: Manifest) -> str:
     """One line for the data summary: which evaluation texts were checked, and the training documents dropped."""
     record = manifest.evaluation
@@ -194,8 +209,7 @@ def evaluation_line(manifest: Manifest) -> str:
     if record is None or not record.texts:
         missing = f" ({', '.join(record.missing)} not found)" if record is not None and record.missing else ""
         return f"evaluation texts: none{missing}; training documents not checked against evaluation text ({SETTING})"
-    dropped = [(name, count, source.skipped_examples.get(OVERLAPS_EVALUATION, []))
-               for name, source in manifest.sources.items() if (count := source.skipped.get(OVERLAPS_EVALUATION, 0))]
+    dropped = _dropped(manifest)
     total = sum(count for _, count, _ in dropped)
     shown = ", ".join(record.texts[:3]) + (", ..." if len(record.texts) > 3 else "")
     line = f"evaluation texts: {_plural(len(record.texts), 'text')} ({shown}) checked; "

@@ -31,7 +31,7 @@ from megatron_lite.config import DataConfig, MixConfig, SourceConfig
 from megatron_lite.data.cache_lock import CacheBuild, building
 from megatron_lite.console import notice
 from megatron_lite.data.cleaning import MAX_EXAMPLES, Cleaner, Tally
-from megatron_lite.data.eval_overlap import EvalFingerprint, EvaluationCheck, evaluation_line
+from megatron_lite.data.eval_overlap import EvalFingerprint, EvaluationCheck, evaluation_brief, evaluation_line
 from megatron_lite.data.indexed import HEADER_SIZE, IndexedDatasetWriter, dtype_for_vocab, neox_prefix
 from megatron_lite.data.manifest import (Manifest, ShardRecord, SourceRecord, TokenizerRecord, load_manifest,
                                          manifest_path, save_manifest)
@@ -331,8 +331,8 @@ def format_reuse_line(manifest: Manifest, cache_dir: str | os.PathLike[str]) -> 
     skipped = sum(sum(record.skipped.values()) for record in records)
     return (f"data cache {cache_dir}: reused, {len(manifest.sources)} source(s) "
             f"({', '.join(manifest.sources)}), {sum(r.documents for r in records):,} documents, "
-            f"{sum(r.tokens for r in records):,} tokens, {skipped:,} records skipped; tokenizer "
-            f"{manifest.tokenizer.path} (--verbose: the full summary)\n{evaluation_line(manifest)}")
+            f"{sum(r.tokens for r in records):,} tokens, {skipped:,} records skipped; {evaluation_brief(manifest)}; "
+            f"tokenizer {manifest.tokenizer.path} (--verbose: the full summary)")
 
 
 def _previous_manifest(cache_dir: Path) -> Manifest | None:
