@@ -43,6 +43,7 @@ POLL_SECONDS = 0.5
 # which other ranks and other runs must wait for.
 SLOW_BUILD_ENV = "MEGATRON_LITE_TEST_SLOW_DATA_BUILD_SECONDS"
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)  # a file system without flock
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)  # a cache mounted read-only: nobody here can change it
 
 _HELD: set[Path] = set()  # caches whose build lock this process holds (a nested prepare must not wait on itself)
 _READING: dict[Path, int] = {}  # cache -> this process's reader record, locked shared until the process exits
@@ -135,18 +136,13 @@ def building(cache_dir: str | os.PathLike[str]) -> Iterator[CacheBuild]:
     if key in _HELD:  # a prepare inside a prepare of this process: the outer one holds the lock
         yield CacheBuild(cache, locked=True)
         return
-    locks = cache / LOCKS_DIR
-    locks.mkdir(parents=True, exist_ok=True)
-    record = locks / "builder.json"
-    fd = os.open(locks / "build.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    record = cache / LOCKS_DIR / "builder.json"
+    fd = _open_lock(cache)
+    if fd is None:  # read-only: a build would fail at its first write, naming the file
+        yield CacheBuild(cache, locked=False)
+        return
     try:
-        try:
-            _wait_for_lock(fd, record, cache)
-        except OSError as error:
-            if error.errno not in _NO_LOCKS:
-                raise
-            notice(f"data cache {cache}: its file system has no file locks ({error.strerror}); building it unlocked "
-                   "(start one run per cache until it is built)")
+        if not _wait_for_lock(fd, record, cache):
             yield CacheBuild(cache, locked=False)
             return
         left = _read_holder(record)
@@ -168,7 +164,33 @@ def building(cache_dir: str | os.PathLike[str]) -> Iterator[CacheBuild]:
         os.close(fd)
 
 
-def _wait_for_lock(fd: int, path: Path, cache: Path) -> None:
+def _open_lock(cache: Path) -> int | None:
+    """The build lock file, opened (made with its folder if need be); None where the cache is read-only."""
+    locks = cache / LOCKS_DIR
+    try:
+        locks.mkdir(parents=True, exist_ok=True)
+        return os.open(locks / "build.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as error:
+        if error.errno in _READ_ONLY:
+            return None
+        raise
+
+
+def _wait_for_lock(fd: int, path: Path, cache: Path) -> bool:
+    """Take the lock, waiting for its holder (named once) as long as it takes; False, after a notice, where the
+    file system has no locks."""
+    try:
+        _wait_until_locked(fd, path, cache)
+    except OSError as error:
+        if error.errno not in _NO_LOCKS:
+            raise
+        notice(f"data cache {cache}: its file system has no file locks ({error.strerror}); building it unlocked "
+               "(start one run per cache until it is built)")
+        return False
+    return True
+
+
+def _wait_until_locked(fd: int, path: Path, cache: Path) -> None:
     announced = False
     waited = 0.0
     while not _try_lock(fd, fcntl.LOCK_EX):
