@@ -3,8 +3,8 @@
     python -m dev.batch_mix --config CONFIG [--set KEY=VALUE ...] [--global-batch 256] [--batches 40]
 
 Runs on any checkout with the blend index's array layout (doc_order_i, sample_idx_i, blend_source, blend_sample):
-run it from an older checkout's root with PYTHONPATH=. to measure that checkout's order; the counting module
-(megatron_lite/data/batch_documents.py) is then loaded from this file's checkout.
+to measure an older checkout's order, run ``PYTHONPATH=. python THIS_CHECKOUT/dev/batch_mix.py ...`` from its root;
+the counting module (megatron_lite/data/batch_documents.py) is then loaded from this file's checkout.
 """
 
 from __future__ import annotations
