@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from megatron_lite import config as config_lib
-from megatron_lite.data.eval_overlap import OVERLAPS_EVALUATION, EvalFingerprint, evaluation_line
-from megatron_lite.data.manifest import load_manifest
+from megatron_lite.data.eval_overlap import OVERLAPS_EVALUATION, EvalFingerprint, EvaluationCheck, evaluation_line
+from megatron_lite.data.manifest import EvaluationRecord, load_manifest
 from megatron_lite.data.preprocess import prepare_data
 from megatron_lite.data.tokenizer import train_tokenizer
 from script_loading import load_script
@@ -144,3 +144,15 @@ def test_overlap_rule() -> None:
     assert fingerprint.match(FOOTER.format(title="X") * 20) is None
     assert fingerprint.match(_book(9)) is None
     assert EvalFingerprint.of_texts([]).match(book) is None
+
+
+def test_a_datasets_id_is_read_only_when_a_source_is_built(tmp_path: Path) -> None:
+    """A cached start needs no hub: a datasets id joins the cache key by its id, and the manifest's record of a
+    build with the same texts is kept as it is."""
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "eval" / "held_out.txt").write_text(_book(100))
+    specs = [str(tmp_path / "eval"), "nobody-such/held-out-books"]
+    check = EvaluationCheck(specs)  # no network here: constructing it must not read the id
+    assert check.key == EvaluationCheck(specs).key != EvaluationCheck(specs[:1]).key
+    previous = EvaluationRecord(key=check.key, specs=specs, texts=["held_out.txt", "row 0"])
+    assert check.record(previous) is previous

@@ -155,7 +155,7 @@ class EvaluationCheck:
         """All evaluation texts fingerprinted (datasets ids read now, once)."""
         if self._fingerprint is None:
             self._fingerprint = EvalFingerprint.of_texts(
-                self._local + [text for spec in self._hub for text in _read_texts(spec)])
+                self._local + [text for spec in self._hub for text in _read_hub_texts(spec)])
         return self._fingerprint
 
     def record(self, previous: EvaluationRecord | None) -> EvaluationRecord:
@@ -164,6 +164,15 @@ class EvaluationCheck:
             return previous
         names = self.fingerprint().names if self._hub else [name for name, _ in self._local]
         return EvaluationRecord(key=self.key, specs=self.specs, texts=names, missing=self.missing)
+
+
+def _read_hub_texts(spec: str) -> list[tuple[str, str]]:
+    try:
+        return _read_texts(spec)
+    except OSError as error:  # offline, or no such dataset
+        raise ValueError(f"{SETTING}: {spec!r} is a datasets id and could not be read from the Hugging Face hub "
+                         f"({error}); give a local copy of it, or leave it out (--set 'data.eval_texts=[data/eval]') "
+                         "and check against the others") from error
 
 
 _LOCAL_FINGERPRINTS: dict[tuple[str, ...], tuple[list[tuple[str, str]], EvalFingerprint]] = {}
