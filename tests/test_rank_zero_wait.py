@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -24,14 +25,17 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=1)
 BUILD_SECONDS = 2.0  # twice the collective timeout
 
 
-def _slow_build(fail: bool) -> blend.BlendArrays:
+def _slow_build(fail: str) -> blend.BlendArrays:
+    if fail == "dies":
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)  # a rank 0 killed mid-build (OOM killer, a node lost)
     time.sleep(BUILD_SECONDS)
-    if fail:
+    if fail == "raises":
         raise ValueError("source prose: no training tokens")
     return blend.BlendArrays({"blend_source": np.zeros(8, dtype=np.int16)}, {"split": "train"})
 
 
-def _rank(rank: int, rendezvous: Path, root: Path, fail: bool, results: Any) -> None:
+def _rank(rank: int, rendezvous: Path, root: Path, fail: str, results: Any) -> None:
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
                             timeout=COLLECTIVE_TIMEOUT)
     try:
@@ -44,27 +48,34 @@ def _rank(rank: int, rendezvous: Path, root: Path, fail: bool, results: Any) -> 
     os._exit(0)  # no teardown: a failed rank's peer may already be gone
 
 
-def _two_ranks(tmp_path: Path, fail: bool) -> dict[int, str]:
+def _two_ranks(tmp_path: Path, fail: str = "") -> dict[int, str]:
     results = FORK.Queue()
     ranks = [FORK.Process(target=_rank, args=(rank, tmp_path / "rendezvous", tmp_path / "index", fail, results))
              for rank in range(2)]
     for process in ranks:
         process.start()
     try:
-        return dict(results.get(timeout=60) for _ in ranks)
+        return dict(results.get(timeout=60) for _ in ranks[fail == "dies":])
     finally:
         for process in ranks:
             process.join(10)
 
 
 def test_ranks_wait_for_a_sample_index_slower_than_the_collective_timeout(tmp_path: Path) -> None:
-    assert _two_ranks(tmp_path, fail=False) == {0: "index 8", 1: "index 8"}
+    assert _two_ranks(tmp_path) == {0: "index 8", 1: "index 8"}
 
 
 def test_a_failed_index_build_stops_every_rank_with_it(tmp_path: Path) -> None:
-    outcome = _two_ranks(tmp_path, fail=True)
+    outcome = _two_ranks(tmp_path, fail="raises")
     assert outcome[0] == "ValueError: source prose: no training tokens"
     assert outcome[1].startswith("ValueError: ") and "rank 0 could not build the sample index" in outcome[1]
+
+
+def test_a_rank_0_killed_mid_build_stops_the_waiting_rank_at_once(tmp_path: Path) -> None:
+    started = time.monotonic()
+    outcome = _two_ranks(tmp_path, fail="dies")
+    assert outcome[1].startswith(f"ValueError: waiting for rank 0 to build {tmp_path / 'index'}/"), outcome
+    assert "\n" not in outcome[1] and time.monotonic() - started < 30
 
 
 @pytest.mark.slow

@@ -65,5 +65,9 @@ class RankZeroBuild:
                 minutes = round((time.monotonic() - start) / 60)
                 print(f"waiting for rank 0 to build {self.what}: {minutes} min", file=sys.stderr, flush=True)
                 next_line += LINE_SECONDS
-        work.wait()  # raises what the all-reduce met (rank 0 gone, or the timeout)
+        try:
+            work.wait()
+        except RuntimeError as error:  # rank 0 gone (gloo: "Connection closed by peer"), or WAIT_TIMEOUT
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise ValueError(f"waiting for rank 0 to build {self.what}: {reason}") from None
         return flag.item() > 0
