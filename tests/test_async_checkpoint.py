@@ -148,6 +148,8 @@ def test_async_checkpoints_equal_sync_ones_and_a_stop_then_a_kill_resume_exactly
     assert previous is not None and checkpoint_dirs.checkpoint_step(previous) == max(stop_step, killing - 2)
     finished = run_train(configs["async"], run_dir)
     assert f"resumed from {previous} at step" in finished.stdout
+    removal = [line for line in (finished.stdout + finished.stderr).splitlines() if "incomplete checkpoint" in line]
+    assert len(removal) == 1 and abandoned.name in removal[0], finished.stdout[-3000:]
     assert checkpoint_dirs.is_complete(abandoned)  # the resumed run saved that step again, in full
     assert train_losses(run_dir) == train_losses(reference)
     compared = 0

@@ -17,7 +17,7 @@ from typing import Any
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
 from megatron_lite.checkpoint_integrity import FileRecord, safe_load, save_hashed
-from megatron_lite.training.host_snapshot import host_copy
+from megatron_lite.training.host_snapshot import Buffers, host_copy
 
 
 class VerifiedCheckpointEngine(TorchCheckpointEngine):
@@ -29,18 +29,34 @@ class VerifiedCheckpointEngine(TorchCheckpointEngine):
         self.error: Exception | None = None  # the first failed write since begin()
         self.capture = False
         self.captured: list[tuple[Any, Path]] = []  # (host copy of a state dict, its file) since begin(capture=True)
+        self._buffers: Buffers = {}  # the host copies of the last snapshot's storages, reused by the next one
+        self._reusable: Buffers = {}
 
     def begin(self, capture: bool = False) -> None:
         """Forget the records, captures and failure of the previous save; ``capture``: keep host copies of the
-        state dicts DeepSpeed saves, with their paths, instead of writing them."""
+        state dicts DeepSpeed saves, with their paths, instead of writing them, in the previous snapshot's buffers
+        (the caller makes sure its write has ended)."""
         self.written, self.error, self.capture, self.captured = [], None, capture, []
+        if capture:
+            self._reusable, self._buffers = self._buffers, {}
+
+    def end_capture(self) -> list[tuple[Any, Path]]:
+        """The host copies taken since ``begin(capture=True)``; buffers no storage reused are freed."""
+        captured, self.captured, self.capture, self._reusable = self.captured, [], False, {}
+        return captured
+
+    def drop_buffers(self) -> None:
+        """Never reuse the current buffers (a write still reading them was abandoned)."""
+        self._buffers, self._reusable = {}, {}
 
     def save(self, state_dict: Any, path: str) -> None:
         if self.error is not None:  # the checkpoint is lost already: do not fill the disk further
             return
         try:
             if self.capture:
-                self.captured.append((host_copy(state_dict), Path(path)))
+                copies: Buffers = {}  # per file: a storage freed after one file may be reallocated at its address
+                self.captured.append((host_copy(state_dict, copies, self._reusable), Path(path)))
+                self._buffers.update(copies)  # reused by the next snapshot
             else:
                 self.written.append(save_hashed(state_dict, Path(path), self.rank, self.zipfile_serialization))
         except Exception as error:  # torch.save raises RuntimeError on a full disk, not only OSError

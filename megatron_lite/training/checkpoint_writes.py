@@ -183,9 +183,9 @@ def _deepspeed_save(engine: Any, step_dir: Path, state: TrainingState, capture: 
             **state.to_client_state(), UNIVERSAL_CHECKPOINT_INFO: universal.universal_checkpoint_info()})
         if writer.error is not None:
             raise writer.error
-        return writer.captured
     finally:
-        writer.captured = []
+        captured = writer.end_capture()
+    return captured
 
 
 def _disk_limit(faults: FaultInjectionConfig, step: int, rank: int, after_agreement: bool) -> int | None:

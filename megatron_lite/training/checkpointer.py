@@ -105,8 +105,11 @@ class Checkpointer:
         """Seconds this rank waited for its writer; a writer past the timeout fails the save (it is left running)."""
         started = time.perf_counter()
         in_flight.writer.join(max(0.0, in_flight.files.started + WRITE_TIMEOUT_S - started))
-        if in_flight.writer.is_alive() and in_flight.files.error is None:
-            in_flight.files.error = TimeoutError(f"the background write did not end within {WRITE_TIMEOUT_S:.0f} s")
+        if in_flight.writer.is_alive():
+            self.staged.engine.checkpoint_engine.drop_buffers()  # the abandoned writer still reads them
+            if in_flight.files.error is None:
+                in_flight.files.error = TimeoutError(f"the background write did not end within "
+                                                     f"{WRITE_TIMEOUT_S:.0f} s")
         return time.perf_counter() - started
 
     def _commit(self, end: StepEnd, state: TrainingState, ending: dict[str, str] | None, files: StepFiles,
