@@ -86,7 +86,7 @@ def test_a_first_start_outlasts_the_collective_timeout(tmp_path: Path, monkeypat
     config = write_config(tmp_path / "tiny.yml", tiny_train_config(
         mix, tmp_path / "cache", train_iters=2, eval_interval=0, save_interval=0, save_final=False))
     monkeypatch.setenv("DEEPSPEED_TIMEOUT", "1")
-    monkeypatch.setenv(SLOW_BUILD_ENV, "65")
+    monkeypatch.setenv(SLOW_BUILD_ENV, "62")
     result = run_train(config, tmp_path / "run", ranks=2, timeout=400)
     assert [row["step"] for row in metrics(tmp_path / "run") if row.get("loss") is not None] == [1, 2]
     assert f"waiting for rank 0 to build {tmp_path / 'cache'}: 1 min" in result.stdout + result.stderr
