@@ -4,6 +4,7 @@ the full forward (with and without dynamic NTK); flash is checked when CUDA + fl
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -227,6 +228,21 @@ def test_alibi_kernels_equal_the_float64_reference_at_4k(kernel: str) -> None:
     assert out.dtype == torch.bfloat16
     assert (out.double() - expected).abs().max() <= 2e-2  # bf16 output and probabilities (max |expected| ~ 2)
 
+
+
+@pytest.mark.parametrize("far", [301, 8001])
+def test_exported_alibi_model_tells_adjacent_distances_apart_in_bf16(far: int) -> None:
+    """The remote code that ships with an exported ALiBi model (tools/convert_checkpoint.py --to hf): its bias for
+    a bf16 model (query at `far` after a cache of `far` keys) and its kernel call on the two-key probe."""
+    from megatron_lite.convert.hf_remote import modeling_megatron_lite as remote
+
+    config = SimpleNamespace(position_scheme="alibi", num_attention_heads=ALIBI_HEADS)
+    bias = remote.attention_mask_for(config, 1, far, None, torch.bfloat16, torch.device("cpu"))  # (1, H, 1, far + 1)
+    assert bias.dtype == torch.float32 and (bias[0, :, 0, 1] - bias[0, :, 0, 0] > 0).all()
+    q_BHTD, k_BHSD, v_BHSD, q_positions, k_positions, slopes_H, expected_H = alibi_probe(far)
+    out = remote.attend(config, q_BHTD, k_BHSD, v_BHSD, None, bias[..., :2], None, 0, 1.0, 0.0)
+    assert out.dtype == torch.bfloat16
+    assert (out[0, :, 0, 0].double() - expected_H).abs().max() <= 2e-3
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -268,8 +268,10 @@ def attention_mask_for(
     if not alibi:
         return allowed
     slopes_H = torch.tensor(alibi_slopes(config.num_attention_heads), dtype=torch.float32, device=device)
-    distance = (k_index[None, :] - q_index[:, None]).to(dtype)  # n - m <= 0 where visible
-    bias = slopes_H.to(dtype)[:, None, None] * distance[None]  # (H, T, S)
+    # float32 at least: bf16 holds integers exactly only up to 256, so distances 300 and 301 would share a bias
+    bias_dtype = torch.promote_types(dtype, torch.float32)
+    distance = (k_index[None, :] - q_index[:, None]).to(bias_dtype)  # n - m <= 0 where visible
+    bias = slopes_H.to(bias_dtype)[:, None, None] * distance[None]  # (H, T, S)
     return bias[None].masked_fill(~allowed, float("-inf"))
 
 
@@ -372,9 +374,15 @@ def attend(
         k_BKTD, v_BKTD = cache.update(k_BKTD, v_BKTD, layer_idx)
     causal = mask is None and q_BHTD.shape[-2] == k_BKTD.shape[-2] and q_BHTD.shape[-2] > 1
     grouped = k_BKTD.shape[1] != q_BHTD.shape[1]  # SDPA pairs query head h with key/value head h // (H / H_kv)
-    return F.scaled_dot_product_attention(
+    dtype = q_BHTD.dtype
+    if mask is not None and mask.is_floating_point():  # ALiBi's float32 bias: never rounded to bf16/fp16
+        mask = mask.to(torch.promote_types(mask.dtype, dtype))
+        if q_BHTD.device.type == "cuda" and dtype != mask.dtype:  # CUDA's kernels take a bias in q's dtype only
+            q_BHTD, k_BKTD, v_BKTD = (t.to(mask.dtype) for t in (q_BHTD, k_BKTD, v_BKTD))
+    out_BHTD = F.scaled_dot_product_attention(
         q_BHTD, k_BKTD, v_BKTD, attn_mask=mask, is_causal=causal, scale=scale, dropout_p=dropout_p, enable_gqa=grouped
     )
+    return out_BHTD.to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
