@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from megatron_lite import config as config_lib
 from megatron_lite.console import Notice, show_notices
@@ -156,3 +157,35 @@ def test_a_killed_builders_lock_is_taken_over(tmp_path: Path, corpus: dict[str, 
     assert time.monotonic() - start < 20 and manifest.tokenizer.vocab_size == 300
     assert not record.exists()  # released
     _assert_whole(cache, 300)
+
+
+def _read_until(config: config_lib.Config, ready: Any, stop: Any) -> None:
+    _prepare_on_rank0(config, RANK0)  # a run reading the cache
+    ready.set()
+    stop.wait(60)
+    os._exit(0)
+
+
+def test_a_source_change_under_a_live_reader_is_refused_before_anything_is_written(
+        tmp_path: Path, corpus: dict[str, Path]) -> None:
+    cache = tmp_path / "cache"
+    config = _config(corpus, cache, given=True)
+    ready, stop = FORK.Event(), FORK.Event()
+    reader = FORK.Process(target=_read_until, args=(config, ready, stop))
+    reader.start()
+    try:
+        assert ready.wait(60)
+        files = {path: path.stat().st_mtime_ns for path in cache.rglob("*") if path.is_file() and ".locks" not in path.parts}
+        built_for = load_manifest(cache).sources["prose"].config_hash
+        mix = yaml.safe_load(corpus["mix"].read_text())
+        mix["groups"]["text"]["sources"]["prose"]["min_chars"] = 50  # another cleaning setting: a rebuilt source
+        (tmp_path / "mix.yml").write_text(yaml.safe_dump(mix))
+        other = config_lib.with_overrides(config, [f"data.mix={tmp_path / 'mix.yml'}"])
+        with pytest.raises(cache_lock.CacheInUse, match=f"in use by PID {reader.pid} on .* rebuild its source prose"):
+            prepare_data(other.data, other.model.vocab_size, progress=False)
+        assert {path: path.stat().st_mtime_ns for path in files} == files  # nothing rewritten
+    finally:
+        stop.set()
+        reader.join(30)
+    rebuilt = prepare_data(other.data, other.model.vocab_size, progress=False)  # that run ended: rebuilt in place
+    assert rebuilt.sources["prose"].config_hash != built_for and rebuilt.sources["prose"].complete
