@@ -44,7 +44,7 @@ from megatron_lite.checkpoint_integrity import MANIFEST_FILE, read_manifest
 from megatron_lite.console import Notice
 from megatron_lite.training.distributed import DistributedInfo
 from megatron_lite.training.run_lock import LOCK_FILE
-from megatron_lite.training.stopping import StopRequest
+from megatron_lite.training.stopping import STOP_LINGER_ENV, StopRequest
 from training_helpers import REPO, metrics, run_train, tiny_train_config, train_command, train_losses, write_config
 
 SAVED = 4
@@ -319,7 +319,7 @@ def test_the_wait_names_a_run_still_holding_its_lock_and_a_killed_one(tmp_path: 
 JOB_SCRIPT = """trap : TERM INT
 {launch}
 echo "deepspeed exited $? with $(pgrep -c -g 0 -f -- --local_rank=) rank(s) running"
-{python} -m megatron_lite.training.run_lock {run}
+(trap '' TERM; exec {python} -m megatron_lite.training.run_lock {run})
 """  # docs/training.md's job script, with a line reporting what the deepspeed command returned
 
 
@@ -327,14 +327,15 @@ echo "deepspeed exited $? with $(pgrep -c -g 0 -f -- --local_rank=) rank(s) runn
 def test_sigterm_to_a_launcher_job_exits_143_at_once_and_the_wait_returns_once_the_ranks_saved(training_corpus,
                                                                                                 tmp_path: Path) -> None:
     """SIGTERM to the job's process group (scancel, a time limit): ``deepspeed`` exits 143 while its ranks still
-    run; the job script's wait returns once they have saved, exiting 143 as train.py does as one process; the
-    checkpoint records the stop and a 1-rank run resumes from it."""
+    run; the job script's wait returns once they have saved, exiting 143 as train.py does as one process, and a
+    second SIGTERM to the group while the ranks stop ends neither their save nor the wait; the checkpoint records
+    the stop and a 1-rank run resumes from it."""
     config = lifecycle_config(tmp_path, training_corpus, train_iters=5000, save_interval=0, zero_stage=0)
     run = tmp_path / "run"
     script = tmp_path / "job.sh"
     script.write_text(JOB_SCRIPT.format(launch=shlex.join(train_command(config, run, ranks=2)),
                                         python=shlex.quote(sys.executable), run=shlex.quote(str(run))))
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", STOP_LINGER_ENV: "60"}
     log = tmp_path / "job.log"
     with log.open("w") as sink:  # a file, not a pipe: the script's end is awaited, not the ranks' (seconds later)
         job = subprocess.Popen(["bash", str(script)], cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT,
@@ -345,8 +346,14 @@ def test_sigterm_to_a_launcher_job_exits_143_at_once_and_the_wait_returns_once_t
             assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
         os.killpg(job.pid, signal.SIGTERM)
+        while "waiting up to" not in log.read_text():  # the ranks still stop; the script's wait has begun
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(1.5)  # past the launcher's copy of the first signal
+        os.killpg(job.pid, signal.SIGTERM)  # a second SIGTERM (scancel after a time limit's warning)
         job.wait(timeout=120)
         output = log.read_text()
+        assert "run_lock: SIGTERM received; still waiting for the run" in output, output[-3000:]
         returned = re.search(r"deepspeed exited (\d+) with (\d+) rank\(s\) running", output)
         # deepspeed returns at once; its ranks usually still run then (2 of 2 on an idle machine), but on a busy one
         # they may have saved and gone before the echo counts them, so the count is not asserted

@@ -35,6 +35,7 @@ import pytest
 
 from megatron_lite import checkpoint_dirs
 from megatron_lite.training.sample_record import read_sample_indices
+from megatron_lite.training.stopping import STOP_LINGER_ENV
 from training_helpers import REPO, free_port, metrics, run_train, tiny_train_config, train_losses, write_config
 
 STARTUP = "2 rank(s) on cpu; batch 8 = 4 micro x 1 accumulation (derived) x 2 rank(s)"
@@ -272,12 +273,13 @@ def test_signal_saves_on_every_rank_requeues_and_the_next_allocation_resumes(con
 
     def allocation(restart_count: int, signal_after_steps: int | None) -> int:
         """One run of the batch script as SLURM starts it (output appended to the job's file); with
-        ``signal_after_steps``, the time limit's warning once that many steps are logged."""
+        ``signal_after_steps``, the time limit's warning once that many steps are logged, and again (scancel after
+        the warning) while the ranks are stopping and each node's task waits for their save."""
         (tmp_path / "srun.pid").unlink(missing_ok=True)
         with output_file.open("a") as output:
             job = subprocess.Popen(["bash", str(SLURM_SCRIPT), "--config", str(config), "--run-dir", str(run_dir)],
                                    cwd=REPO, env={**env, "SLURM_RESTART_COUNT": str(restart_count),
-                                                  "MASTER_PORT": str(free_port())},
+                                                  "MASTER_PORT": str(free_port()), STOP_LINGER_ENV: "60"},
                                    stdout=output, stderr=subprocess.STDOUT)
             try:
                 if signal_after_steps is not None:
@@ -285,7 +287,13 @@ def test_signal_saves_on_every_rank_requeues_and_the_next_allocation_resumes(con
                     while not (run_dir / "metrics.jsonl").is_file() or len(train_losses(run_dir)) < signal_after_steps:
                         assert job.poll() is None and time.monotonic() < deadline, output_file.read_text()[-4000:]
                         time.sleep(0.05)
-                    os.kill(int((tmp_path / "srun.pid").read_text()), signal.SIGUSR1)
+                    srun = int((tmp_path / "srun.pid").read_text())
+                    os.kill(srun, signal.SIGUSR1)
+                    while output_file.read_text().count("waiting up to") < 2:  # both nodes' run_lock waits
+                        assert job.poll() is None and time.monotonic() < deadline, output_file.read_text()[-4000:]
+                        time.sleep(0.05)
+                    time.sleep(1.5)  # past the launcher's copy of the first signal
+                    os.kill(srun, signal.SIGUSR1)  # the second SIGTERM to every process of the step
                 return job.wait(timeout=300)
             finally:
                 if job.poll() is None:
@@ -305,7 +313,9 @@ def test_signal_saves_on_every_rank_requeues_and_the_next_allocation_resumes(con
         assert len(list(stopped.glob(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))) == 1
     assert max(train_losses(run_dir)) == step  # no step past the signal is lost: the last one trained is saved
     assert f"{run_dir}: stopped by SIGTERM at step {step}" in log  # node_task.sh's wait, on both nodes
-    assert (tmp_path / "srun.log").read_text().startswith("--signal: SIGTERM to ")
+    assert (tmp_path / "srun.log").read_text().count("--signal: SIGTERM to ") == 2
+    assert log.count("run_lock: SIGTERM received; still waiting for the run") == 2  # and went on waiting
+    assert "KillWait over" not in (tmp_path / "srun.log").read_text()
     # the job's layout: its hostfile, srun's options, each task's own SLURM_NODEID reaching its launcher
     assert (tmp_path / "hostfile").read_text() == "127.0.0.1 slots=1\nlocalhost slots=1\n"
     assert (tmp_path / "srun_options").read_text().split() == [
@@ -342,14 +352,16 @@ def test_torchrun_trains_like_deepspeed_and_saves_on_sigterm(config: Path, unint
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
     run_dir = tmp_path / "torchrun"
 
-    launcher = subprocess.Popen(torchrun(config, run_dir), cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT)
+    launcher = subprocess.Popen(torchrun(config, run_dir), cwd=REPO, env={**env, STOP_LINGER_ENV: "60"}, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
         while not (run_dir / "metrics.jsonl").is_file() or len(train_losses(run_dir)) < TORCHRUN_SIGNAL_AFTER_STEPS:
             assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-4000:]
             time.sleep(0.05)
         launcher.send_signal(signal.SIGTERM)  # torchrun alone: each worker leads a process group of its own
+        time.sleep(2)
+        launcher.send_signal(signal.SIGTERM)  # again while its workers stop: it signals them again and waits again
         output = launcher.communicate(timeout=300)[0]
     finally:
         if launcher.poll() is None:
@@ -358,6 +370,8 @@ def test_torchrun_trains_like_deepspeed_and_saves_on_sigterm(config: Path, unint
     assert launcher.returncode == 1 and "SignalException" in output, output[-4000:]
     waited = subprocess.run([sys.executable, "-m", "megatron_lite.training.run_lock", str(run_dir)], cwd=REPO,
                             env=env, text=True, capture_output=True, timeout=120)
+    # the run finished its stop whole despite the second signal: its own lock released, its loss curve drawn
+    assert "taking over" not in waited.stderr and (run_dir / "loss_curve.png").is_file(), waited.stderr + output[-3000:]
     stopped = checkpoint_dirs.latest_complete(run_dir / checkpoint_dirs.CHECKPOINTS_DIR)
     assert stopped is not None, output[-4000:]
     marker = checkpoint_dirs.read_complete_marker(stopped)

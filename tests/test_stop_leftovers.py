@@ -6,8 +6,9 @@ real train.py runs, real signals, a real SIGKILL mid-save (train.fault_injection
   curve drawn (before, the last signal killed it: exit -15, run.lock left).
 * A save killed midway leaves an incomplete step dir; the next run (or a conversion of the run dir) removes it
   with one notice naming its size, and resumes from the previous complete checkpoint.
-* Each kind of refusal (a resume at another width, the FP8 device check, a run dir locked by a live run) leaves the
-  run dir byte-identical, and a refused run makes no fresh run dir; an empty config is one line.
+* Each kind of refusal (a resume at another width, a run dir locked by a live run; the FP8 device check comes
+  before the run dir is touched at all) leaves the run dir byte-identical, and a refused run makes no fresh run
+  dir; an empty config is one line.
 * Lock contention under the SLURM flow (tools/slurm/train.sbatch with the stand-ins of tests/test_slurm_requeue.py):
   every rank exits 2, no rank aborts, the job exits 2.
 
@@ -18,6 +19,7 @@ and tests/test_slurm_requeue.py (their stop tests signal twice).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,7 +31,6 @@ import pytest
 
 from megatron_lite import checkpoint_dirs
 from megatron_lite.training.run_lock import LOCK_FILE, acquire
-from megatron_lite.training.stopping import STOP_LINGER_ENV
 from training_helpers import REPO, metrics, run_train, tiny_train_config, train_command, write_config
 
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
@@ -84,9 +85,6 @@ def test_each_refusal_leaves_the_run_dir_byte_identical(configs: dict[str, Path]
     before = snapshot(run)
     # a resume of a checkpoint of another width: refused after the data is ready, config.yml untouched
     assert "cannot resume from" in refused(configs["plain"], run, "--set", "model.hidden_size=128")
-    assert snapshot(run) == before
-    # the FP8 device check (this machine has no FP8 GPU): first, before any data work
-    assert "train.fp8=mlp: FP8 matmuls need a CUDA GPU" in refused(configs["plain"], run, "--set", "train.fp8=mlp")
     assert snapshot(run) == before
     # the run dir held by a live run
     lock = acquire(run)
@@ -159,7 +157,7 @@ def test_plain_python_survives_a_second_and_third_sigterm_and_exits_143(configs:
                                                                          tmp_path: Path) -> None:
     run = tmp_path / "run"
     checkpoints = run / checkpoint_dirs.CHECKPOINTS_DIR
-    job = subprocess.Popen(train_command(configs["long"], run), cwd=REPO, env={**ENV, STOP_LINGER_ENV: "1"},
+    job = subprocess.Popen(train_command(configs["long"], run), cwd=REPO, env=ENV,
                            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     output: list[str] = []
     try:
@@ -216,3 +214,56 @@ def test_the_wait_says_saved_only_when_the_newest_step_dir_is_complete(killed_ru
     with pytest.warns(UserWarning, match="its process .* is gone"):
         assert wait_main([str(run), "--timeout", "10"]) == EXIT_NO_ENDING
     assert f"newest checkpoint {run / 'checkpoints' / 'step_00000004'} incomplete" in capsys.readouterr().out
+
+
+def test_lock_contention_under_the_slurm_flow_exits_2_before_any_rank_starts(configs: dict[str, Path],
+                                                                             tmp_path: Path) -> None:
+    """A second allocation that finds the run dir held by a live run (train.sbatch's WAIT_FOR_LOCK=0): the batch
+    script says so in one line and exits 2 before srun starts a node (left to the ranks, each refused on its own and
+    --kill-on-bad-exit SIGKILLed the slower node: exit 137, or a rank aborting in its teardown)."""
+    from test_slurm_requeue import JOB_ID, SLURM_SCRIPT, install_stand_ins, launcher_env
+
+    run = tmp_path / "run"
+    stand_ins = install_stand_ins(tmp_path / "bin")
+    env = {**launcher_env(), "PATH": os.pathsep.join([str(stand_ins), str(Path(sys.executable).parent),
+                                                      os.environ["PATH"]]),
+           "SLURM_JOB_ID": JOB_ID, "SLURM_JOB_NODELIST": "127.0.0.1,localhost", "SLURM_NNODES": "2",
+           "SLURM_GPUS_PER_NODE": "cpu:1", "SLURM_CPUS_ON_NODE": "2", "HOSTFILE": str(tmp_path / "hostfile"),
+           "SRUN_OPTIONS_FILE": str(tmp_path / "srun_options"), "SRUN_LOG_FILE": str(tmp_path / "srun.log"),
+           "SRUN_PID_FILE": str(tmp_path / "srun.pid"), "SCONTROL_REQUEUE_FILE": str(tmp_path / "requeues"),
+           "WAIT_FOR_LOCK": "0", "MASTER_PORT": "29500"}
+    lock = acquire(run)
+    try:
+        before = snapshot(run)
+        job = subprocess.run(["bash", str(SLURM_SCRIPT), "--config", str(configs["plain"]), "--run-dir", str(run)],
+                             cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
+        assert snapshot(run) == before
+    finally:
+        lock.release()
+    log = job.stdout + job.stderr
+    assert job.returncode == 2, log[-4000:]
+    assert log.count("error: ") == 1 and f"error: {run}: its run has not ended after 0 s (held by train.py pid " \
+        f"{os.getpid()}" in log, log[-4000:]
+    assert not (tmp_path / "srun.log").exists() and not (tmp_path / "requeues").exists()
+
+
+@pytest.mark.slow  # a 2-rank torchrun launch
+def test_lock_contention_under_torchrun_exits_2_on_every_rank_without_an_abort(configs: dict[str, Path],
+                                                                                tmp_path: Path) -> None:
+    """Both ranks refuse the held run dir after one all-rank agreement, destroy their process group and exit 2: no
+    "terminate called without an active exception" (SIGABRT) in gloo's teardown."""
+    from test_slurm_requeue import torchrun
+
+    run = tmp_path / "run"
+    lock = acquire(run)
+    try:
+        job = subprocess.run(torchrun(configs["plain"], run), cwd=REPO, env=ENV, text=True, capture_output=True,
+                             timeout=300)
+    finally:
+        lock.release()
+    log = job.stdout + job.stderr
+    assert job.returncode == 1 and "terminate called" not in log and "Signal 6" not in log, log[-4000:]
+    assert log.count(f"error: run dir {run} is in use by") == 1, log[-4000:]
+    # torchrun's failure report: every rank exited 2
+    ranks = set(re.findall(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)", log))
+    assert ranks == {("0", "2"), ("1", "2")}, log[-4000:]

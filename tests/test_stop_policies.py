@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +145,11 @@ def test_stop_request_records_the_signal_and_restores_the_handlers() -> None:
             with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C interrupts at once
                 os.kill(os.getpid(), signal.SIGINT)
         # a stop was requested: the process finishes it (closing row, lock) whatever SIGTERM comes next
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN and signal.getsignal(signal.SIGINT) is previous[1]
+        assert signal.getsignal(signal.SIGTERM) not in previous and signal.getsignal(signal.SIGINT) is previous[1]
+        os.kill(os.getpid(), signal.SIGTERM)  # ignored
+        # ... by a handler of the process's own, not SIG_IGN: a process started now gets SIGTERM's default
+        child = subprocess.run([sys.executable, "-c", "import signal; print(int(signal.getsignal(signal.SIGTERM)))"],
+                               capture_output=True, text=True, check=True)
+        assert child.stdout.strip() == str(int(signal.SIG_DFL))
     finally:
         signal.signal(signal.SIGTERM, previous[0])

@@ -331,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", nargs="?")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
                         help="give up (exit 2) if the run still holds its lock after SECONDS (default 600)")
+    parser.add_argument("--free", action="store_true",
+                        help="only wait (up to --timeout) until no live run holds RUN_DIR, then exit 0 (a missing "
+                             "RUN_DIR is free); still held: exit 2 naming the holder. How a job script refuses a "
+                             "run dir in use before it starts any rank")
     parser.add_argument("--run-dir-of", nargs=argparse.REMAINDER, metavar="TRAIN_ARGS",
                         help="print the run dir train.py uses with TRAIN_ARGS (everything after this flag) and exit")
     args = parser.parse_args(argv)
@@ -339,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.run_dir is None:
         parser.error("RUN_DIR is required (or --run-dir-of TRAIN_ARGS)")
+    if args.free:
+        if args.run_dir.exists():
+            wait_for_run_end(args.run_dir, args.timeout)
+        return 0
     with _waiting_through_signals(args.run_dir):
         wait_for_run_end(args.run_dir, args.timeout)
     line, code = run_ending(args.run_dir)

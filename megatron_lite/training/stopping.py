@@ -141,9 +141,11 @@ def _step_of(step_dir: Path | None) -> str:
     return f"step {step}" if step is not None else "the start"
 
 
-# Test hook: seconds a requested stop lingers before its save (every rank), so that a test's second signal
-# surely lands inside the stop, as a scheduler's may during a large model's save.
+# Test hook: a requested stop lingers before its save (every rank) until this process gets another signal, at most
+# this many seconds, so that a test's second signal surely lands inside the stop, as a scheduler's may during a
+# large model's save. Copies of the first signal within a second of it (a launcher passing it on) do not count.
 STOP_LINGER_ENV = "MEGATRON_LITE_TEST_STOP_LINGER_SECONDS"
+_SAME_SIGNAL_SECONDS = 1.0
 
 
 class StopRequest:
@@ -158,6 +160,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        self._times: list[float] = []  # time.monotonic() of each signal received
         self._previous: dict[int, Any] = {}
         self._linger = float(os.environ.get(STOP_LINGER_ENV) or 0)
 
@@ -167,6 +170,7 @@ class StopRequest:
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:
+        self._times.append(time.monotonic())
         if self.signal_name is None:
             self.signal_name = signal.Signals(signum).name
         elif signum == signal.SIGINT:
@@ -176,15 +180,22 @@ class StopRequest:
         """The signal to report when the ranks agree that one of them received one."""
         if not on_any_rank:
             return None
-        if self._linger:  # the test hook, once: the stop's save starts that much later
-            time.sleep(self._linger)
+        if self._linger and self._times:  # the test hook, once: the stop's save waits for another signal
+            deadline = time.monotonic() + self._linger
+            while self._times[-1] - self._times[0] < _SAME_SIGNAL_SECONDS and time.monotonic() < deadline:
+                time.sleep(0.01)
             self._linger = 0.0
         return self.signal_name or "a signal on another rank"
 
     def __exit__(self, *exc: Any) -> None:
         for signum, handler in self._previous.items():
             stopping = signum == signal.SIGTERM and self.signal_name is not None
-            signal.signal(signum, signal.SIG_IGN if stopping else handler)
+            signal.signal(signum, _ignore if stopping else handler)
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    """A SIGTERM after a stop was requested. A handler of our own rather than SIG_IGN, which processes started
+    later would inherit."""
 
 
 class EvaluationInterrupted(Exception):
