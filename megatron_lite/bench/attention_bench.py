@@ -227,14 +227,14 @@ def estimate_peak_bytes(
     elif variant.alibi_bias and backend == "sdpa":
         # The fused CPU kernel rejects the 3-D (H, T, S) bias, so the math path materialises
         # (B, H, N, N) scores and probabilities next to the bias.
-        quadratic = bias * elem + 2 * scores * score_elem
+        quadratic = bias * score_elem + 2 * scores * score_elem  # the bias is float32 at least (model/masks.py)
     elif variant.alibi_bias and backend == "chunked":
         # Math path per query block: every block's probabilities are saved for backward, and the
         # last block's bias + scores are alive on top of them.
         starts = range(0, seq_len, chunk_size)
         visible = sum(min(chunk_size, seq_len - start) * min(start + chunk_size, seq_len) for start in starts)
         last_block = heads * min(chunk_size, seq_len) * seq_len
-        quadratic = batch * heads * visible * score_elem + last_block * elem + 2 * batch * last_block * score_elem
+        quadratic = batch * heads * visible * score_elem + (1 + 2 * batch) * last_block * score_elem  # bias: float32
     elif backend == "chunked" and seq_len > chunk_size:
         quadratic = seq_len * seq_len * elem  # per-block causal masks (as float), kept for backward
     return int(linear + quadratic)
