@@ -163,6 +163,17 @@ def test_alibi_slopes_match_published_values(num_heads: int, minus_log2: list[fl
     assert torch.allclose(ALiBi(num_heads).slopes(), torch.tensor(slopes, dtype=torch.float32))
 
 
+def test_alibi_slopes_stay_float32_through_a_bf16_model_cast() -> None:
+    """DeepSpeed's bf16 casts the whole module; the slopes keep their float32 values (2**-0.5, not 0.70703125)."""
+    from megatron_lite.model import build_model
+    from conftest import tiny_config
+
+    model = build_model(tiny_config("alibi")).bfloat16()
+    expected = torch.tensor(alibi_slopes(model.config.num_attention_heads), dtype=torch.float32)
+    schemes = [module for module in model.modules() if isinstance(module, ALiBi)]
+    assert schemes and all(torch.equal(scheme.slopes(), expected) for scheme in schemes)
+
+
 @pytest.mark.parametrize("rotary_dims", [D, D // 2])
 def test_coca_gradients_match_autograd_of_the_plain_formulas(rotary_dims: int) -> None:
     """The memory-lean slack query (custom backward) has the gradient of q * R q."""

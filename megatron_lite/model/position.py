@@ -286,9 +286,20 @@ class SinusoidalPosition(PositionScheme):
 class ALiBi(PositionScheme):
     def __init__(self, num_heads: int) -> None:
         super().__init__()
-        self.register_buffer("alibi_slopes", torch.tensor(alibi_slopes(num_heads), dtype=torch.float32), persistent=False)
+        self.slope_values = alibi_slopes(num_heads)
+        self.register_buffer("alibi_slopes", torch.tensor(self.slope_values, dtype=torch.float32), persistent=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "ALiBi":
+        """Module casts (``model.bfloat16()``, DeepSpeed's bf16) move the slopes but keep them float32: in bf16,
+        2**-0.5 would become 0.70703125 and the bias -slope (m - n) would differ from the exported model's."""
+        super()._apply(fn, recurse)
+        moved = self.alibi_slopes
+        if moved.dtype != torch.float32:
+            self.alibi_slopes = torch.tensor(self.slope_values, dtype=torch.float32, device=moved.device)
+        return self
 
     def slopes(self) -> torch.Tensor:
+        """(H,) float32 on the module's device."""
         return self.alibi_slopes
 
 
