@@ -168,10 +168,12 @@ def test_alibi_slopes_stay_float32_through_a_bf16_model_cast() -> None:
     from megatron_lite.model import build_model
     from conftest import tiny_config
 
-    model = build_model(tiny_config("alibi")).bfloat16()
-    expected = torch.tensor(alibi_slopes(model.config.num_attention_heads), dtype=torch.float32)
+    model = build_model(tiny_config("alibi", num_attention_heads=16)).bfloat16()  # 16 heads: slopes 2**-(h/2)
+    expected = torch.tensor(alibi_slopes(16), dtype=torch.float32)
     schemes = [module for module in model.modules() if isinstance(module, ALiBi)]
-    assert schemes and all(torch.equal(scheme.slopes(), expected) for scheme in schemes)
+    assert schemes
+    for scheme in schemes:
+        assert scheme.slopes().dtype == torch.float32 and torch.equal(scheme.slopes(), expected)
 
 
 @pytest.mark.parametrize("rotary_dims", [D, D // 2])
