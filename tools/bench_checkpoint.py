@@ -3,11 +3,11 @@
 (train.async_save), and how much the steps overlapping a background write slow down. One train.py run per mode,
 same config and steps; prints both and their ratio (a Markdown table).
 
-    python tools/bench_checkpoint.py --config configs/tiny/coca_slack.yml --steps 30 --save-interval 5
-    python tools/bench_checkpoint.py --config configs/coca_350m.yml --steps 12 --save-interval 4 \\
+    python tools/bench_checkpoint.py --config configs/tiny/coca_slack.yml --steps 20 --save-interval 4
+    python tools/bench_checkpoint.py --config configs/coca_350m.yml --steps 16 --save-interval 5 \\
         --set data.mix=configs/data/sample_mix.yml --set model.seq_length=64 \\
         --set train.train_micro_batch_size_per_gpu=1 --set train.gradient_accumulation_steps=1 \\
-        --set train.train_batch_size=null --set precision=fp32
+        --set train.train_batch_size=null
 
 The logic lives in megatron_lite/bench/checkpoint_bench.py; docs/checkpoints.md has the figures.
 """

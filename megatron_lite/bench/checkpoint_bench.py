@@ -14,6 +14,7 @@ The first step (start-up) and the steps before the first save are left out of th
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -90,8 +91,6 @@ def run_mode(config: Path, overrides: list[str], mode: str, run_dir: Path, steps
 
 
 def _env() -> dict[str, str]:
-    import os
-
     return {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"}
 
 
@@ -101,8 +100,8 @@ def format_report(results: list[ModeResult], label: str) -> str:
              "| mode | saves | step loop blocked per save (median, s) | step time, no write in flight (s) | "
              "step time, write in flight (s) |", "|---|---|---|---|---|"]
     for result in results:
-        lines.append(f"| {result.mode} | {result.saves} | {result.blocked_median_s:.2f} | {_fmt(result.step_s_quiet)} | "
-                     f"{_fmt(result.step_s_overlapping)} |")
+        lines.append(f"| {result.mode} | {result.saves} | {result.blocked_median_s:.2f} | "
+                     f"{_fmt(result.step_s_quiet)} | {_fmt(result.step_s_overlapping)} |")
     ratio = background.blocked_median_s / sync.blocked_median_s
     slowdown = (background.step_s_overlapping / background.step_s_quiet
                 if background.step_s_overlapping and background.step_s_quiet else float("nan"))
