@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -92,6 +93,10 @@ def check_float8_device(config: Config) -> None:
         raise ValueError(problem)
 
 
+def _exiting_anyway(signum: int, frame: object) -> None:
+    """SIGTERM to a refused rank, which is on its way out with exit code 2."""
+
+
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -113,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_training(config, run_dir, resume=args.resume, train_iters=args.train_iters,
                               verify_data=args.verify_data, wait_for_lock=args.wait_for_lock)
     except ValueError:  # a refusal (the run dir locked, a checkpoint of another width, ...), met on every rank
+        # The launcher SIGTERMs the ranks still running once one has exited 2; each exits 2 by itself in a moment.
+        signal.signal(signal.SIGTERM, _exiting_anyway)
         shutdown_distributed()  # else a rank may abort in gloo's teardown instead of exiting 2
         raise
     shutdown_distributed()  # several ranks: every one returned past the run's last barrier; the process exits next
