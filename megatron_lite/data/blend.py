@@ -211,11 +211,13 @@ def source_stream(
         [_rng(seed, _TAG_EPOCH, key, split_tag, epoch).permutation(len(documents)) for epoch in range(epochs)]
     )  # (E*M,) positions into `documents`
     ends = np.cumsum(lengths[permutation])  # (E*M,) exclusive end token of each stream document
-    starts = draws.astype(np.int64) * seq_length  # (num_samples,) stream positions of the draws
+    # Every stream sample up to the last drawn, in order, then gathered in draw order: searchsorted with sorted
+    # queries walks `ends` once, with shuffled ones it is ~15x slower (a cache miss per query).
+    starts = np.arange(int(draws.max()) + 1, dtype=np.int64) * seq_length  # (stream samples,) stream positions
     position = np.searchsorted(ends, starts, side="right")  # first document ending after the start
     offset = starts - (ends[position] - lengths[permutation[position]])
     doc_order = np.asarray(documents, dtype=np.int64)[permutation]
-    return doc_order, np.stack([position, offset], axis=1), epochs
+    return doc_order, np.stack([position, offset], axis=1)[draws], epochs
 
 
 # ----------------------------------------------------------------------------------------------
