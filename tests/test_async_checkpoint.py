@@ -134,6 +134,7 @@ def test_async_checkpoints_equal_sync_ones_and_a_stop_then_a_kill_resume_exactly
     stop_step = checkpoint_dirs.checkpoint_step(complete[-1])
     assert [checkpoint_dirs.checkpoint_step(p) for p in complete[:2]] == [2, 4] and stop_step and stop_step >= 4
     assert f"saved checkpoint {complete[1]} (written in the background" in output
+    assert "s for the checkpoint at step 4 to finish writing" in output  # the stop's save waited for it first
     assert checkpoint_dirs.read_complete_marker(complete[-1])["stopped_by"] == "signal"
 
     killed = start_train(configs["async"], run_dir, delay=2.0)
@@ -178,3 +179,20 @@ def test_async_zero3_on_two_ranks_equals_sync_and_a_failed_background_write_is_o
     assert train_losses(async_run) == train_losses(sync_run)
     tag = checkpoint_dirs.step_tag(4)
     assert_same_checkpoint(sync_run / "checkpoints" / tag, async_run / "checkpoints" / tag)
+
+
+def test_the_benchmark_reads_each_saves_stall_and_the_steps_a_write_overlaps() -> None:
+    from megatron_lite.bench.checkpoint_bench import parse_run
+
+    output = "\n".join([
+        "step 1/5 | loss 9.0", "step 2/5 | loss 8.0", "step 3/5 | loss 7.0", "step 4/5 | loss 6.0",
+        "waited 1.50 s for the checkpoint at step 2 to finish writing",
+        "saved checkpoint /run/checkpoints/step_00000002 (written in the background; the step loop waited 0.20 s "
+        "for its snapshot and 0.10 s to complete it)",
+        "step 5/5 | loss 5.0", "saved checkpoint /run/checkpoints/step_00000005 (the step loop waited 3.00 s)"])
+    rows = [{"step": step, "tokens_per_sec": 64 / seconds} for step, seconds in ((1, 9.0), (2, 1.0), (3, 2.0),
+                                                                                 (4, 4.0), (5, 1.0))]
+    result = parse_run(output, rows, 64, "async", 10.0)
+    assert result.blocked_s == pytest.approx([1.8, 3.0]) and result.saves == 2
+    # steps 3 and 4 ran while step 2's checkpoint was written; 5 did not; 1 and 2 come before the first save
+    assert result.step_s_overlapping == 3.0 and result.step_s_quiet == 1.0
