@@ -429,7 +429,10 @@ class TrainConfig:
         "Optimizer steps; null means derived from train_epochs over the data mix.", default=None
     )
     train_epochs: float = _doc(
-        "Passes over the mix's training tokens when train_iters is null (paper: 2).", default=2.0
+        "Passes over the mix's training tokens when train_iters is null (paper: 2): the run draws train_epochs x "
+        "the tokens the mix holds for training. A source's own passes (train.py prints them at the start) equal it "
+        "when every group holds its weight's share of the tokens (docs/data_loading.md, epochs and passes).",
+        default=2.0
     )
     train_batch_size: int | None = _doc(
         "Global batch in samples (= micro batch x gradient accumulation x data-parallel ranks), the same on "
