@@ -32,6 +32,7 @@ def bad_arguments(script: str, tmp_path: Path) -> tuple[list[str], str]:
         "tools/bench_loss_precision.py": (["--tokens", "0"], "--tokens 0"),
         "tools/profile_step.py": (["--micro-batch", "0"], "--micro-batch 0"),
         "tools/bench_train.py": (["--config", missing, "--no-gpu"], missing),
+        "tools/bench_tokenizer.py": (["--text", missing], missing),
         "tools/build_data_bundle.py": (["--books", missing, "--eval-books", missing,
                                         "--out", str(tmp_path / "b.tar.xz")], missing),
         "tools/convert_checkpoint.py": ([missing, str(tmp_path / "out"), "--to", "hf"], missing),
