@@ -14,7 +14,7 @@ import torch
 
 from megatron_lite import config as config_lib
 from megatron_lite.data.indexed import IndexedDataset
-from megatron_lite.data.loader import SampleTokenError, build_train_valid_datasets, data_report
+from megatron_lite.data.loader import SampleTokenError, build_blended_dataset, build_train_valid_datasets
 from megatron_lite.data.manifest import Manifest, ShardRecord, load_manifest, save_manifest
 from megatron_lite.data.verify import (ShardVerificationError, ensure_verified, stamp_path, unverified_shards,
                                        verify_shards)
@@ -148,18 +148,15 @@ def test_byte_flipped_after_the_stamp_stops_the_loader_naming_shard_and_document
 
 
 def _first_training_sample(cache: Path, config: config_lib.Config) -> tuple[Path, int, int]:
-    """(shard .bin, token position, document in the shard) where training's first sample starts, found by
-    its first 8 ids (the sample order is prefix-stable: sample 0 is the same for any run length)."""
+    """(shard .bin, token position, document in the shard) where training's first sample starts, read from the
+    sample index itself (the order is prefix-stable: sample 0 is the same for any run length)."""
     manifest = load_manifest(cache)
-    first = np.array(data_report(config.data, config.model.seq_length, manifest, 1)["sample"]["input_ids"][:8])
-    for shard in (shard for record in manifest.sources.values() for shard in record.shards):
-        bin_path = cache / (shard.prefix + ".bin")
-        windows = np.lib.stride_tricks.sliding_window_view(np.fromfile(bin_path, dtype="<u2"), len(first))
-        hits = np.flatnonzero((windows == first).all(axis=1))
-        if hits.size:
-            ends = np.cumsum(IndexedDataset(cache / shard.prefix).sizes.astype(np.int64))  # (documents,)
-            return bin_path, int(hits[0]), int(np.searchsorted(ends, hits[0], side="right"))
-    raise AssertionError("training's first sample is in no shard")
+    dataset = build_blended_dataset(config.data, config.model.seq_length, manifest, "train", 1)
+    source, drawn = int(dataset.blend_source[0]), int(dataset.index.arrays["blend_sample"][0])
+    position, offset = (int(v) for v in dataset.index.arrays[f"sample_idx_{source}"][drawn])
+    shard, document = dataset._locate(source, int(dataset.index.arrays[f"doc_order_{source}"][position]))
+    start = int(shard.sizes[:document].astype(np.int64).sum()) + offset  # tokens before the sample in the .bin
+    return Path(shard.bin_path), start, document
 
 
 @pytest.mark.slow
