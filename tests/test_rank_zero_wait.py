@@ -1,6 +1,6 @@
-"""Ranks other than 0 wait for rank 0's data build past the process group's collective timeout: the sample index
-(two real gloo ranks, a 1 s timeout, a 2 s build) and the whole first start (the deepspeed launcher, 2 CPU ranks,
-DEEPSPEED_TIMEOUT=1 minute, a data build slowed past it)."""
+"""Ranks other than 0 wait for rank 0's data build past the process group's collective timeout (two real gloo
+ranks, a 1 s timeout): the sample index (a 2 s build) and the whole first data preparation of a run (tokenizer and
+shards of a fresh cache, slowed to 3 s on rank 0), as train.py runs it."""
 
 from __future__ import annotations
 
@@ -14,11 +14,15 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 
-from megatron_lite.data import blend
+from megatron_lite import config as config_lib
+from megatron_lite.data import blend, rank_zero_wait
 from megatron_lite.data.cache_lock import SLOW_BUILD_ENV
-from training_helpers import make_corpus, metrics, run_train, tiny_train_config, write_config
+from megatron_lite.training.data import _prepare_on_rank0
+from megatron_lite.training.distributed import DistributedInfo
+from training_helpers import make_corpus, tiny_train_config
 
 FORK = multiprocessing.get_context("fork")
 COLLECTIVE_TIMEOUT = timedelta(seconds=1)
@@ -78,15 +82,35 @@ def test_a_rank_0_killed_mid_build_stops_the_waiting_rank_at_once(tmp_path: Path
     assert "\n" not in outcome[1] and time.monotonic() - started < 30
 
 
-@pytest.mark.slow
-def test_a_first_start_outlasts_the_collective_timeout(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The README's launch on a fresh cache, shrunk: rank 0 builds the data for longer than DeepSpeed's process
-    group timeout (1 minute, its smallest) while rank 1 waits; the run trains, and rank 1 said it was waiting."""
+def _prepare_rank(rank: int, rendezvous: Path, config: config_lib.Config, results: Any) -> None:
+    os.environ[SLOW_BUILD_ENV] = str(3 * COLLECTIVE_TIMEOUT.total_seconds())
+    rank_zero_wait.LINE_SECONDS = 1.0  # the waiting line every second instead of every minute
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,
+                            timeout=COLLECTIVE_TIMEOUT)
+    try:
+        mix = _prepare_on_rank0(config, DistributedInfo(rank, rank, 2, torch.device("cpu")))
+        results.put((rank, f"groups {sorted(mix.groups)}"))
+    except Exception as error:  # noqa: BLE001 - the parent asserts on it
+        results.put((rank, f"{type(error).__name__}: {error}"))
+    results.close()
+    results.join_thread()
+    os._exit(0)
+
+
+def test_a_first_start_outlasts_the_collective_timeout(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The README's launch on a fresh cache, shrunk: rank 0 builds the data (tokenizer, shards) for three times the
+    process group's timeout while rank 1 waits; both ranks go on, and rank 1 said it was waiting."""
     mix = make_corpus(tmp_path / "corpus")
-    config = write_config(tmp_path / "tiny.yml", tiny_train_config(
-        mix, tmp_path / "cache", train_iters=2, eval_interval=0, save_interval=0, save_final=False))
-    monkeypatch.setenv("DEEPSPEED_TIMEOUT", "1")
-    monkeypatch.setenv(SLOW_BUILD_ENV, "62")
-    result = run_train(config, tmp_path / "run", ranks=2, timeout=400)
-    assert [row["step"] for row in metrics(tmp_path / "run") if row.get("loss") is not None] == [1, 2]
-    assert f"waiting for rank 0 to build {tmp_path / 'cache'}: 1 min" in result.stdout + result.stderr
+    config = config_lib.from_dict(tiny_train_config(mix, tmp_path / "cache"))
+    results = FORK.Queue()
+    ranks = [FORK.Process(target=_prepare_rank, args=(rank, tmp_path / "rendezvous", config, results))
+             for rank in range(2)]
+    for process in ranks:
+        process.start()
+    try:
+        outcome = dict(results.get(timeout=120) for _ in ranks)
+    finally:
+        for process in ranks:
+            process.join(10)
+    assert outcome == {0: "groups ['code', 'text']", 1: "groups ['code', 'text']"}, outcome
+    assert f"waiting for rank 0 to build {tmp_path / 'cache'}: " in capfd.readouterr().err
