@@ -156,3 +156,5 @@ def test_a_datasets_id_is_read_only_when_a_source_is_built(tmp_path: Path) -> No
     assert check.key == EvaluationCheck(specs).key != EvaluationCheck(specs[:1]).key
     previous = EvaluationRecord(key=check.key, specs=specs, texts=["held_out.txt", "row 0"])
     assert check.record(previous) is previous
+    # a first build that checked nothing (a mix of Megatron shards) names the id without reading it: it builds offline
+    assert check.record(None).texts == [str(tmp_path / "eval" / "held_out.txt"), "nobody-such/held-out-books"]

@@ -159,10 +159,13 @@ class EvaluationCheck:
         return self._fingerprint
 
     def record(self, previous: EvaluationRecord | None) -> EvaluationRecord:
-        """What the manifest keeps: ``previous`` when it was made for the same texts (no datasets id read again)."""
+        """What the manifest keeps: ``previous`` when it was made for the same texts (no datasets id read again).
+        A datasets id no built source needed (a mix of Megatron shards, which are not checked) is named by its id,
+        not read: such a cache builds offline."""
         if previous is not None and previous.key == self.key:
             return previous
-        names = self.fingerprint().names if self._hub else [name for name, _ in self._local]
+        read = self._fingerprint is not None
+        names = self._fingerprint.names if read else [name for name, _ in self._local] + self._hub
         return EvaluationRecord(key=self.key, specs=self.specs, texts=names, missing=self.missing)
 
 
