@@ -89,7 +89,9 @@ def configs(training_corpus, tmp_path_factory: pytest.TempPathFactory) -> dict[s
         return write_config(root / f"{name}.yml", tiny_train_config(mix, cache, **settings))
 
     zero3 = {"zero_stage": 3, "train_iters": 6}
+    zero1 = {"zero_stage": 1, "train_iters": 3}  # step 2's save in the background, step 3's the final one
     return {"sync": config("sync", zero_stage=1), "async": config("async", zero_stage=1, async_save=True),
+            "sync1": config("sync1", **zero1), "async1": config("async1", **zero1, async_save=True),
             "sync3": config("sync3", **zero3),
             "async3": config("async3", **zero3, async_save=True, fault_injection={
                 "disk_full_save_steps": [2], "disk_full_bytes": 4096, "disk_full_rank": 1})}
@@ -181,6 +183,19 @@ def test_async_zero3_on_two_ranks_equals_sync_and_a_failed_background_write_is_o
     assert_same_checkpoint(sync_run / "checkpoints" / tag, async_run / "checkpoints" / tag)
 
 
+@pytest.mark.slow
+def test_async_zero1_on_two_ranks_equals_sync(configs: dict[str, Path], tmp_path: Path) -> None:
+    """ZeRO 1, 2 ranks (each rank's optimizer partition a file of its own): step 2's background checkpoint holds
+    the synchronous run's files and tensors, and the losses are the same."""
+    sync_run, async_run = tmp_path / "sync", tmp_path / "async"
+    run_train(configs["sync1"], sync_run, ranks=2)
+    done = run_train(configs["async1"], async_run, ranks=2)
+    tag = checkpoint_dirs.step_tag(2)
+    assert f"saved checkpoint {async_run / checkpoint_dirs.CHECKPOINTS_DIR / tag} (written in the background" in done.stdout
+    assert train_losses(async_run) == train_losses(sync_run)
+    assert_same_checkpoint(sync_run / "checkpoints" / tag, async_run / "checkpoints" / tag)
+
+
 def test_the_benchmark_reads_each_saves_stall_and_the_steps_a_write_overlaps() -> None:
     from megatron_lite.bench.checkpoint_bench import parse_run
 
@@ -189,10 +204,12 @@ def test_the_benchmark_reads_each_saves_stall_and_the_steps_a_write_overlaps() -
         "waited 1.50 s for the checkpoint at step 2 to finish writing",
         "saved checkpoint /run/checkpoints/step_00000002 (written in the background; the step loop waited 0.20 s "
         "for its snapshot and 0.10 s to complete it)",
-        "step 5/5 | loss 5.0", "saved checkpoint /run/checkpoints/step_00000005 (the step loop waited 3.00 s)"])
+        "step 5/5 | loss 5.0", "saved checkpoint /run/checkpoints/step_00000005 (the step loop waited 3.00 s)",
+        "waited 2.00 s for the checkpoint at step 5 to finish writing"])  # the run's end: no step held
     rows = [{"step": step, "tokens_per_sec": 64 / seconds} for step, seconds in ((1, 9.0), (2, 1.0), (3, 2.0),
                                                                                  (4, 4.0), (5, 1.0))]
     result = parse_run(output, rows, 64, "async", 10.0)
-    assert result.blocked_s == pytest.approx([1.8, 3.0]) and result.saves == 2
+    assert result.blocked_s == pytest.approx([1.8, 3.0]) and result.saves == 2 and result.end_wait_s == 2.0
+    assert result.later_blocked_median_s == 3.0
     # steps 3 and 4 ran while step 2's checkpoint was written; 5 did not; 1 and 2 come before the first save
     assert result.step_s_overlapping == 3.0 and result.step_s_quiet == 1.0
