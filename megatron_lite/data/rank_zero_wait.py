@@ -4,7 +4,7 @@ On a fresh machine rank 0 tokenises the mix (hours for the paper's ~56B tokens) 
 (minutes) while the other ranks wait. A collective of the training process group would give up at its timeout
 (DeepSpeed's ``DEEPSPEED_TIMEOUT``, 10 minutes by default; NCCL then aborts the job). So every rank meets in an
 all-reduce of a gloo group made for this, with a timeout of ``WAIT_TIMEOUT``, polled (every millisecond at first,
-then less often, up to once a second: a start that builds nothing loses milliseconds); the first
+then less often, up to every 50 ms: a start that builds nothing loses milliseconds, a long wait costs 20 cheap checks a second); the first
 waiting rank of each host prints "waiting for rank 0 to build data/cache/...: N min" every minute. The
 all-reduce carries whether rank 0's build failed, so every rank stops with it; a rank 0 that dies closes its gloo
 connections and the waiting ranks stop at once.
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 WAIT_TIMEOUT = timedelta(days=3)
-FIRST_POLL_SECONDS, POLL_SECONDS = 0.001, 1.0
+FIRST_POLL_SECONDS, POLL_SECONDS = 0.001, 0.05
 LINE_SECONDS = 60.0
 
 _GROUP: dict[str, Any] = {}  # "world" -> the default group it was made for, "group" -> the gloo group

@@ -210,7 +210,9 @@ def hold_run_dir(run_dir: Path, is_main: bool, device: Any, wait_seconds: float 
             lock = acquire(run_dir, wait_seconds)
         except ValueError as caught:
             error = caught
-    refused = all_reduce_sum([0.0 if error is None else 1.0], device)[0]
+    with _sigterm_held() as held:
+        refused = all_reduce_sum([0.0 if error is None else 1.0], device)[0]
+        held.keep = bool(refused)
     if error is not None:
         raise error
     if refused:
@@ -226,6 +228,35 @@ def hold_run_dir(run_dir: Path, is_main: bool, device: Any, wait_seconds: float 
     finally:
         if lock is not None:
             lock.release()
+
+
+class _HeldSigterm:
+    keep = False  # True: the run is refused, every rank is on its way out with exit 2
+    received = False
+
+
+@contextmanager
+def _sigterm_held() -> Iterator[_HeldSigterm]:
+    """SIGTERM held from before the ranks learn whether the run is refused: a launcher (torchrun) terminates the
+    other ranks as soon as one exits 2, and one still between the agreement and its exit would die of the signal
+    instead of exiting 2 itself. Refused (``keep``): the signal stays held until the process exits; otherwise the
+    previous handler comes back and a SIGTERM that arrived meanwhile is delivered to it."""
+    held = _HeldSigterm()
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        held.received = True
+
+    previous = signal.signal(signal.SIGTERM, note)
+    try:
+        yield held
+    finally:
+        if not held.keep:
+            signal.signal(signal.SIGTERM, previous)
+            if held.received:
+                os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _remove_if_empty(directory: Path) -> None:
