@@ -254,7 +254,7 @@ def _sigterm_held() -> Iterator[_HeldSigterm]:
         yield held
     finally:
         if not held.keep:
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)  # None: set from C
             if held.received:
                 os.kill(os.getpid(), signal.SIGTERM)
 
