@@ -93,10 +93,6 @@ def check_float8_device(config: Config) -> None:
         raise ValueError(problem)
 
 
-def _exiting_anyway(signum: int, frame: object) -> None:
-    """SIGTERM to a refused rank, which is on its way out with exit code 2."""
-
-
 @cli_main
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -119,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                               verify_data=args.verify_data, wait_for_lock=args.wait_for_lock)
     except ValueError:  # a refusal (the run dir locked, a checkpoint of another width, ...), met on every rank
         # The launcher SIGTERMs the ranks still running once one has exited 2; each exits 2 by itself in a moment.
-        signal.signal(signal.SIGTERM, _exiting_anyway)
+        # SIG_IGN, not a Python handler: the interpreter resets its own handlers to the default as it finalizes,
+        # and the signal may land then. Nothing starts a process from here on, so none inherits it.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         shutdown_distributed()  # else a rank may abort in gloo's teardown instead of exiting 2
         raise
     shutdown_distributed()  # several ranks: every one returned past the run's last barrier; the process exits next
