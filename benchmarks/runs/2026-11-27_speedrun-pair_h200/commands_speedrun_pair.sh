@@ -5,7 +5,7 @@
 # tools/gpu/speedrun_pair.sh. Usage then: bash SCRIPT OUT SPEEDRUN_BUDGET_S [extra reproduce.py arguments]
 set -u
 OUT=$1; export SPEEDRUN_BUDGET=$2; shift 2; R=/tmp/res_b; rm -rf "$R"; mkdir -p "$R"
-WHEELS=${CALL_B_WHEELS:-.gpu/whl}; [ -d /tmp/site/deepspeed ] && WHEELS=-  # installed by call A on this warm machine
+WHEELS=${CALL_B_WHEELS:-.gpu/whl}; [ -d /tmp/site/deepspeed ] && WHEELS=-  # installed by the GPU check run just before, on the same machine
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 bash tools/speedrun_one_call.sh "$WHEELS" .gpu/bundle.tar.xz "$R" --eval-seconds 20 --ntk-factors 4 --max-docs 10 \
   --passkey-cases 20 --passkey-lengths 512,1024,2048 --set train.profile.start_step=50 --set train.profile.steps=1 \

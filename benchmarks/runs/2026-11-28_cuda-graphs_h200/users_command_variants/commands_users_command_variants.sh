@@ -20,7 +20,7 @@ pack() {  # all of RES so far, again: results.tar.xz and each trace a file (tool
 exec > >(tee -a "$RES/log.txt") 2>&1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH PYTHONUNBUFFERED=1 TQDM_DISABLE=1 WANDB_MODE=disabled \
   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-[ -d /tmp/site ] || { echo "no /tmp/site: the machine is not call A's; installing the wheels";
+[ -d /tmp/site ] || { echo "no /tmp/site: the wheels are not installed on this machine yet; installing them";
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl; }
 DATA_ARGS=$(timeout 120 python3 -m megatron_lite.bench.users_command .gpu/bundle30m.tar.xz /tmp/gpu_one_call/data)
 echo "[t=$(el)] data: $DATA_ARGS"
